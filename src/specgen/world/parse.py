@@ -19,6 +19,7 @@ from specgen.world.scene import COLORS, SHAPES, SIZES, Scene
 SATURATION_THRESHOLD = 45  # neutral background has 0; the least saturated shaded object ~97
 _PALETTE = np.asarray(list(COLORS.values()), np.float32)  # (C, 3)
 _COLOR_NAMES = list(COLORS)
+_PALETTE_SAT = _PALETTE.max(1) - _PALETTE.min(1)  # (C,)
 
 
 @dataclasses.dataclass
@@ -66,7 +67,8 @@ def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
         raise ValueError(f"parse expects an (H, W, 3) uint8 image, got shape {tuple(image.shape)}")
     img = image.astype(np.float32)
     h, w, _ = img.shape
-    fg = (img.max(axis=2) - img.min(axis=2)) > SATURATION_THRESHOLD
+    sat = img.max(axis=2) - img.min(axis=2)  # (H, W); 0 on the neutral canvas
+    fg = sat > SATURATION_THRESHOLD
     labels, n = ndimage.label(fg)
     nearest = np.argmin(((img[:, :, None, :] - _PALETTE[None, None]) ** 2).sum(-1), axis=-1)  # (H, W)
     dets: list[Detection] = []
@@ -74,16 +76,21 @@ def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
         mask = labels == i
         if mask.sum() < min_area_frac * h * w:
             continue
-        ys, xs = np.nonzero(mask)
-        x0, y0, x1, y1 = xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
         interior = ndimage.binary_erosion(mask)
         votes = np.bincount(nearest[interior if interior.any() else mask], minlength=len(_COLOR_NAMES))
+        color = int(votes.argmax())
+        # blurred edges (tokenizer reconstructions): the object's outline is where saturation
+        # crosses half of its colour's saturation, as for a step edge seen through a blur
+        solid = mask & (sat > 0.5 * _PALETTE_SAT[color])
+        mask = solid if solid.sum() >= 0.5 * mask.sum() else mask
+        ys, xs = np.nonzero(mask)
+        x0, y0, x1, y1 = xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
         shape, iou = _classify_shape(ndimage.binary_fill_holes(mask[y0:y1, x0:x1]))
         side = ((x1 - x0) + (y1 - y0)) / 2 / w
         size = "small" if side < (SIZES["small"] + SIZES["large"]) / 2 else "large"
         # IoU >= 0.7 is a clean shape (score 1); below 0.4 it is a blob (score 0)
         score = float(np.clip((iou - 0.4) / 0.3, 0.0, 1.0))
-        dets.append(Detection(shape, _COLOR_NAMES[int(votes.argmax())], size,
+        dets.append(Detection(shape, _COLOR_NAMES[color], size,
                               (int(x0), int(y0), int(x1), int(y1)), score, mask))
     dets.sort(key=lambda d: -int(d.mask.sum()))
     return dets

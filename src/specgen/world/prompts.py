@@ -165,3 +165,31 @@ def sample_example(rng: random.Random, split: str = "train", canvas: int = 64,
     tag = rng.choices(list(mix), weights=list(mix.values()))[0]
     meta = sample_prompt(rng, tag, split)
     return meta, scene_for(meta, rng, canvas)
+
+
+def _words() -> tuple[str, ...]:
+    words = {"and", "in", "the", "center", ",", "."}
+    for text in PREFIXES + RELATIONS + tuple(REGIONS):
+        words.update(text.split())
+    words.update(("a", "an"))
+    words.update(SHAPES + tuple(PLURALS.values()) + tuple(COLORS) + tuple(SIZES) + tuple(NUMBERS.values()))
+    return tuple(sorted(words))
+
+
+WORDS = _words()  # the closed prompt vocabulary, in a fixed order
+
+
+def tokenize_words(prompt: str) -> list[str]:
+    """Split a prompt into vocabulary words; raise a clear error on any unknown word."""
+    words = prompt.lower().replace(",", " , ").replace(".", " . ").split()
+    known = set(WORDS)
+    for w in words:
+        if w not in known:
+            kind = "colour" if w in _GENEVAL_COLORS else "shape or word"
+            raise ValueError(f"unknown {kind} {w!r} in prompt {prompt!r}: the shapes world knows the colours "
+                             f"{list(COLORS)} and the shapes {list(SHAPES)}; rephrase with those words")
+    return words
+
+
+_GENEVAL_COLORS = {"red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white",
+                   "gray", "grey"}

@@ -1,0 +1,27 @@
+"""Load shipped/exported backbones with their tokenizer, ready for decoding."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+
+from specgen.utils.checkpoints import load_exported
+
+
+def weights_id(dirpath: str | Path) -> str:
+    """Identity of an exported model: a hash of its weights file."""
+    h = hashlib.sha1()
+    with open(Path(dirpath) / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_shapes_generator(backbone_dir: str, tokenizer_dir: str, device: str = "cpu"):
+    """The embedded AR backbone with its VQ tokenizer attached, frozen, in eval mode."""
+    backbone = load_exported(backbone_dir, device)
+    backbone.attach_tokenizer(load_exported(tokenizer_dir, device))
+    backbone.requires_grad_(False)
+    backbone.identity = f"{weights_id(backbone_dir)}-{weights_id(tokenizer_dir)}"
+    return backbone

@@ -1,0 +1,127 @@
+"""The embedded text-to-image backbone: a Llama (transformers) over one vocabulary of prompt words,
+special tokens and VQ codes, like the unified models Emu3 and Lumina-mGPT, on a raster token grid.
+
+Vocabulary: [specials | prompt words | visual codes]. Sequence: the prompt slot (prompt words
+left-padded to a fixed length, so every image token has a fixed position), BOI, the grid in raster
+order (optionally an end-of-row token after each row), EOI. The unconditional prompt (for CFG) is
+an all-PAD slot, also seen in training through prompt dropout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specgen.backbones.protocol import TokenGrid
+from specgen.world.prompts import WORDS, tokenize_words
+
+SPECIALS = ("<pad>", "<boi>", "<eoi>", "<eol>")
+PAD, BOI, EOI, EOL = range(len(SPECIALS))
+
+PRESETS = {  # name -> (layers, width, heads, ffn)
+    "tiny": (2, 64, 4, 128),
+    "small": (4, 192, 6, 512),
+    "base": (6, 256, 8, 704),
+}
+
+
+class ShapesLlama(nn.Module):
+    def __init__(self, num_codes: int = 512, grid_size: int = 16, eol: bool = True, max_prompt_len: int = 40,
+                 preset: str | None = "base", num_layers: int | None = None, width: int | None = None,
+                 num_heads: int | None = None, ffn: int | None = None, rope_theta: float = 10000.0):
+        super().__init__()
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)} or null with explicit sizes")
+        layers, d, heads, f = PRESETS[preset] if preset else (num_layers, width, num_heads, ffn)
+        layers, d, heads, f = num_layers or layers, width or d, num_heads or heads, ffn or f
+        self.words = {w: i + len(SPECIALS) for i, w in enumerate(WORDS)}
+        self.max_prompt_len = max_prompt_len
+        visual_start = len(SPECIALS) + len(WORDS)
+        self.grid = TokenGrid(height=grid_size, width=grid_size, prefix_len=max_prompt_len + 1,
+                              visual_start=visual_start, num_visual=num_codes,
+                              eol_id=EOL if eol else None, eoi_id=EOI)
+        self.config = LlamaConfig(
+            vocab_size=visual_start + num_codes, hidden_size=d, intermediate_size=f, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=self.grid.seq_len,
+            rope_theta=rope_theta, tie_word_embeddings=False, attention_dropout=0.0, pad_token_id=PAD,
+            bos_token_id=BOI, eos_token_id=EOI)
+        self.model = LlamaForCausalLM(self.config)
+        # Pre-norm hidden states are what SSD's f_phi predicts: the decoder's own final norm is
+        # replaced by identity and applied in `head` instead (hidden_states[-1] is post-norm).
+        self.final_norm = self.model.model.norm
+        self.model.model.norm = nn.Identity()
+        self.__dict__["tokenizer"] = None  # set by attach_tokenizer; kept out of this module's weights
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def prompt_ids(self, prompts: list[str]) -> torch.Tensor:
+        """(B, prefix_len) conditional prompt slots: PAD..PAD words BOI."""
+        out = torch.full((len(prompts), self.grid.prefix_len), PAD, dtype=torch.long)
+        for b, text in enumerate(prompts):
+            ids = [self.words[w] for w in tokenize_words(text)]
+            if len(ids) > self.max_prompt_len:
+                raise ValueError(f"prompt {text!r} has {len(ids)} words, more than max_prompt_len="
+                                 f"{self.max_prompt_len}: shorten it or train a backbone with a longer slot")
+            if ids:
+                out[b, self.max_prompt_len - len(ids): self.max_prompt_len] = torch.tensor(ids)
+        out[:, -1] = BOI
+        return out.to(self.device)
+
+    def null_prompt_ids(self, batch: int) -> torch.Tensor:
+        """(B, prefix_len) unconditional prompt slots (all PAD, then BOI)."""
+        out = torch.full((batch, self.grid.prefix_len), PAD, dtype=torch.long, device=self.device)
+        out[:, -1] = BOI
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return self.final_norm.weight.device
+
+    # ---- model ---------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits for training: (B, T) -> (B, T, V)."""
+        h = self.model.model(input_ids=ids, use_cache=False).last_hidden_state  # pre-norm (B, T, D)
+        return self.head(h)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed tokens at explicit positions, appending to `cache`: (B, q) -> pre-norm hidden (B, q, D).
+
+        `positions` is (q,) or (B, q). Without `attn_mask` the new tokens attend causally to the cache
+        and to each other; a 4-D additive float mask (B, 1, q, past + q) overrides that.
+        """
+        if positions.ndim == 1:
+            positions = positions.unsqueeze(0).expand(ids.shape[0], -1)
+        out = self.model.model(input_ids=ids, position_ids=positions, cache=cache, attention_mask=attn_mask,
+                               use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + output projection: (..., D) -> (..., V) logits."""
+        return self.model.lm_head(self.final_norm(hidden))
+
+    @staticmethod
+    def rollback(cache: DynamicCache, length: int) -> None:
+        """Drop cached positions >= length."""
+        extra = cache.get_seq_length() - length
+        if extra < 0:
+            raise ValueError(f"cannot roll a cache of length {cache.get_seq_length()} forward to {length}")
+        if extra > 0:  # crop(0) empties the cache in some transformers versions: never call it
+            cache.crop(-extra)
+
+    # ---- pixels --------------------------------------------------------------------------------
+    def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesLlama":
+        """Attach the VQ tokenizer used by `decode` (not registered: it stays out of the state dict)."""
+        if tokenizer.num_codes != self.grid.num_visual:
+            raise ValueError(f"tokenizer has {tokenizer.num_codes} codes but the backbone expects "
+                             f"{self.grid.num_visual}: load the tokenizer the backbone was trained with")
+        self.__dict__["tokenizer"] = tokenizer
+        return self
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Visual codes (B, H, W) -> images (B, 3, S, S) in [0, 1] through the attached tokenizer."""
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<vq folder>))")
+        return self.tokenizer.decode(codes)

@@ -1,0 +1,1 @@
+"""Decoding strategies: tensors in, tensors out, one file per algorithm."""

@@ -1,0 +1,52 @@
+"""Shared sampling utilities: guidance, temperature/top-k warping, per-row reproducible draws."""
+from __future__ import annotations
+
+import torch
+
+
+def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """Classifier-free guidance on stacked [cond; uncond] logits (2B, ..., V) -> (B, ..., V)."""
+    cond, uncond = logits.chunk(2, dim=0)
+    return uncond + cfg_scale * (cond - uncond)
+
+
+def warp(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Temperature and top-k on (..., V) logits; temperature 0 means greedy (returned unchanged)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
+
+
+def probs(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """The sampling distribution of `sample` (one-hot at the argmax when temperature is 0)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(warp(logits, temperature, top_k), dim=-1)
+
+
+def uniform(shape: tuple[int, ...], generators: list[torch.Generator] | None, device) -> torch.Tensor:
+    """Uniform noise (B, ...) whose row b depends only on generators[b] (so images don't depend on batching)."""
+    if generators is None:
+        return torch.rand(shape, device=device)
+    if len(generators) != shape[0]:
+        raise ValueError(f"need one generator per row: {shape[0]} rows, {len(generators)} generators")
+    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators])
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+           generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """Draw token ids from (B, ..., V) logits by the Gumbel-max trick (argmax when temperature is 0)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    warped = warp(logits, temperature, top_k)
+    u = uniform(tuple(warped.shape), generators, warped.device).clamp_(1e-20, 1.0 - 1e-7)
+    return (warped - torch.log(-torch.log(u))).argmax(-1)
+
+
+def make_generators(seeds: list[int], device="cpu") -> list[torch.Generator]:
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]

@@ -1,0 +1,127 @@
+"""GenEval scoring rules, re-implemented over pluggable detectors.
+
+Rules (as in the official evaluator): detections above 0.3 confidence (0.9 for every class in
+counting prompts), at most 16 per class, most confident first; each include clause takes the top
+`count` detections of its class and needs at least `count` of them; a colour clause needs `count`
+of those to have the colour; a position clause needs every one of them to stand in the relation
+to every object matched by its target clause; include clauses are ANDed, exclude clauses (`count`
+or more of a class) ORed. Task score = mean over images; overall = mean of the six task scores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from specgen.world.scene import relations
+
+TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+
+@dataclasses.dataclass
+class Object:
+    """A detection as the rules see it."""
+
+    cls: str
+    box: tuple[float, float, float, float]  # x0, y0, x1, y1
+    score: float
+    color: str | None = None  # filled by the detector or by a colour classifier
+
+
+class Detector(Protocol):
+    def detect(self, image: np.ndarray) -> list[Object]: ...  # uint8 (H, W, 3)
+
+
+class ShapesDetector:
+    """The exact shapes-world parser as a GenEval detector (classes are shape names)."""
+
+    def detect(self, image: np.ndarray) -> list[Object]:
+        from specgen.world.parse import parse
+
+        return [Object(d.shape, tuple(float(v) for v in d.box), d.score, d.color) for d in parse(image)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    detection: float = 0.3
+    counting: float = 0.9
+    max_objects: int = 16
+    position: float = 0.1  # centre offset shrink, x summed box sizes
+
+
+def group_by_class(objects: list[Object], tag: str, th: Thresholds = Thresholds()) -> dict[str, list[Object]]:
+    """Per class: objects above the task's threshold, most confident first, at most max_objects."""
+    limit = th.counting if tag == "counting" else th.detection
+    out: dict[str, list[Object]] = defaultdict(list)
+    for o in sorted(objects, key=lambda o: -o.score):
+        if o.score > limit and len(out[o.cls]) < th.max_objects:
+            out[o.cls].append(o)
+    return dict(out)
+
+
+def evaluate(objects: list[Object], meta: dict, th: Thresholds = Thresholds()) -> tuple[bool, str]:
+    """Score one image against its GenEval metadata: (correct, reason)."""
+    found = group_by_class(objects, meta["tag"], th)
+    correct, reasons, matched = True, [], []
+    for req in meta.get("include", []):
+        cls, n = req["class"], req["count"]
+        top = found.get(cls, [])[:n]
+        ok = len(top) >= n
+        if not ok:
+            reasons.append(f"expected {cls}>={n}, found {len(top)}")
+        if ok and "color" in req:
+            hits = sum(o.color == req["color"] for o in top)
+            if hits < n:
+                ok = False
+                reasons.append(f"expected {req['color']} {cls}>={n}, found {hits} {req['color']}")
+        if ok and "position" in req:
+            rel, target = req["position"]
+            if matched[target] is None:
+                ok = False
+                reasons.append(f"no target for {cls} to be {rel}")
+            elif not all(rel in relations(o.box, t.box, shrink=th.position) for o in top for t in matched[target]):
+                ok = False
+                reasons.append(f"expected {cls} {rel} target")
+        matched.append(top if ok else None)
+        correct &= ok
+    for req in meta.get("exclude", []):
+        if len(found.get(req["class"], [])) >= req["count"]:
+            correct = False
+            reasons.append(f"expected {req['class']}<{req['count']}, found {len(found[req['class']])}")
+    return correct, "; ".join(reasons)
+
+
+def summarize(results: list[dict]) -> dict[str, float]:
+    """Task scores (mean over images) and overall (mean of the tasks present) from per-image results."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        by_task[r["tag"]].append(float(r["correct"]))
+    scores = {t: float(np.mean(v)) for t, v in by_task.items() if t in TASKS}
+    if scores:
+        scores["overall"] = float(np.mean(list(scores.values())))
+    return scores
+
+
+def read_metadata(path: str | Path) -> list[dict]:
+    """Read an official `evaluation_metadata.jsonl`, naming the line of any malformed entry."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GenEval metadata file {str(path)!r} not found: pass the path of "
+                                f"evaluation_metadata.jsonl from the GenEval repository (prompts/ folder)")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            meta = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from e
+        missing = [k for k in ("tag", "include", "prompt") if k not in meta]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: GenEval metadata lacks {missing}; expected keys tag, include, prompt")
+        out.append(meta)
+    return out

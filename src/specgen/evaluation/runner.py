@@ -1,0 +1,91 @@
+"""Evaluation job: backbone + decoding strategy + benchmarks -> metrics.json, results.csv, grid.png, W&B."""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from PIL import Image
+
+from specgen.evaluation.generate import cache_key, generate_images, image_grid
+from specgen.utils.checkpoints import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def speed_metrics(stats: list[dict]) -> dict[str, float]:
+    """Mean per-image speed statistics: target passes, latency, and any numeric counters."""
+    out = {}
+    for key in stats[0]:
+        vals = [s[key] for s in stats if isinstance(s.get(key), (int, float))]
+        if vals and key not in ("batch_size", "batch_wall_s"):
+            out[key] = float(np.mean(vals))
+    if "latency_s" in out:
+        out["throughput_img_s"] = 1.0 / max(out["latency_s"], 1e-12)
+    return out
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    width = max(len(k) for k in metrics)
+    return "\n".join(f"{k:<{width}}  {v:10.4f}" for k, v in sorted(metrics.items()))
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    out_dir = Path(cfg.paths.output_dir)
+    backbone = instantiate(cfg.generator)
+    name, decode_fn = cfg.decoding.name, instantiate(cfg.decoding.fn)
+    benchmarks = [instantiate(b) for b in cfg.benchmark.values() if b is not None]
+    jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
+    unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
+    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(
+        OmegaConf.to_container(cfg.decoding.fn, resolve=True))
+    log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
+    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, cfg.batch_size, desc=f"{name}")
+    by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
+
+    metrics, rows = {}, []
+    for bench, jobs in zip(benchmarks, jobs_per_bench):
+        scores, bench_rows = bench.score(jobs, [by_key[j.key][0] for j in jobs])
+        metrics.update({f"{name}/{bench.name}/{k}": v for k, v in scores.items()})
+        rows += [dict(r, decoding=name) for r in bench_rows]
+    metrics.update({f"{name}/speed/{k}": v for k, v in speed_metrics(stats).items()})
+    metrics[f"{name}/num_images"] = float(len(unique))
+
+    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    _write_csv(out_dir / "results.csv", rows)
+    grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
+                      ncols=cfg.grid_cols)
+    Image.fromarray(grid).save(out_dir / "grid.png")
+    _log(cfg, metrics, grid, rows)
+    print(format_table(metrics))
+    return metrics
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> None:
+    for lg_cfg in (cfg.get("logger") or {}).values():
+        if lg_cfg is None:
+            continue
+        logger = instantiate(lg_cfg)
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        logger.log_metrics(metrics)
+        if hasattr(logger, "log_image"):
+            logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
+        if hasattr(logger, "log_table") and rows:
+            logger.log_table("eval/results", columns=list(rows[0]), data=[list(r.values()) for r in rows])
+        logger.finalize("success")

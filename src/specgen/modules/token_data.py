@@ -1,0 +1,107 @@
+"""Pre-tokenized (prompt, image-code) examples for backbone training, cached on disk in shards.
+
+Encoding images with the VQ tokenizer is the expensive part, so it runs once: shard k holds
+examples [k * shard_size, (k + 1) * shard_size) of the deterministic example stream, and its file
+is keyed by a hash of everything that determines it (tokenizer weights, resolution, seed, ...).
+An interrupted preparation resumes at the first missing shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from specgen.modules.data import example
+from specgen.utils.checkpoints import load_exported
+from specgen.utils.validate import expect_float, expect_int
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class TokenShards(Dataset):
+    """Concatenated shards: item = (prompt text, codes (H, W) int64)."""
+
+    def __init__(self, files: list[Path]):
+        parts = [np.load(f, allow_pickle=False) for f in files]
+        self.codes = np.concatenate([p["codes"] for p in parts])
+        self.prompts = np.concatenate([p["prompts"] for p in parts])
+
+    def __len__(self):
+        return len(self.codes)
+
+    def __getitem__(self, i):
+        return {"prompt": str(self.prompts[i]), "codes": torch.from_numpy(self.codes[i].astype(np.int64))}
+
+
+class ShapesTokenDataModule(L.LightningDataModule):
+    def __init__(self, tokenizer_dir: str, cache_dir: str, image_size: int = 64, train_shards: int = 12,
+                 val_shards: int = 1, shard_size: int = 10_000, textured_frac: float = 0.0, batch_size: int = 32,
+                 num_workers: int = 0, seed: int = 0, encode_batch: int = 256):
+        super().__init__()
+        for name, value in (("train_shards", train_shards), ("val_shards", val_shards), ("shard_size", shard_size),
+                            ("batch_size", batch_size), ("encode_batch", encode_batch)):
+            expect_int(f"data.{name}", value, 1)
+        expect_float("data.textured_frac", textured_frac, 0.0, 1.0)
+        self.save_hyperparameters()
+
+    def _key(self) -> str:
+        h = self.hparams
+        sha = _file_sha(Path(h.tokenizer_dir) / "model.safetensors")
+        spec = json.dumps([sha, h.image_size, h.shard_size, h.textured_frac, h.seed], sort_keys=True)
+        return hashlib.sha1(spec.encode()).hexdigest()[:12]
+
+    def _shard_path(self, split: str, k: int) -> Path:
+        return Path(self.hparams.cache_dir) / self._key() / f"{split}_{k:05d}.npz"
+
+    def prepare_data(self):
+        h = self.hparams
+        todo = [(s, k) for s, n in (("train", h.train_shards), ("val", h.val_shards)) for k in range(n)
+                if not self._shard_path(s, k).is_file()]
+        if not todo:
+            return
+        tokenizer = load_exported(h.tokenizer_dir)
+        for split, k in tqdm(todo, desc="tokenizing shards", unit="shard"):
+            self._write_shard(tokenizer, split, k)
+
+    @torch.no_grad()
+    def _write_shard(self, tokenizer, split: str, k: int):
+        h = self.hparams
+        codes, prompts = [], []
+        for start in tqdm(range(0, h.shard_size, h.encode_batch), desc=f"{split} shard {k}", leave=False):
+            idx = range(k * h.shard_size + start, k * h.shard_size + min(start + h.encode_batch, h.shard_size))
+            batch = [example(i, split, h.seed, h.image_size, h.textured_frac) for i in idx]
+            images = torch.from_numpy(np.stack([img for _, img, _ in batch])).permute(0, 3, 1, 2)
+            codes.append(tokenizer.encode(images).numpy().astype(np.uint16))
+            prompts += [meta["prompt"] for meta, _, _ in batch]
+        path = self._shard_path(split, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
+        os.close(fd)
+        np.savez(tmp, codes=np.concatenate(codes), prompts=np.asarray(prompts))
+        os.replace(tmp, path)  # atomic: a half-written shard is never picked up
+
+    def setup(self, stage: str | None = None):
+        h = self.hparams
+        self.train_set = TokenShards([self._shard_path("train", k) for k in range(h.train_shards)])
+        self.val_set = TokenShards([self._shard_path("val", k) for k in range(h.val_shards)])
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
+                          num_workers=self.hparams.num_workers, drop_last=True)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)

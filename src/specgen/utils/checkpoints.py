@@ -1,0 +1,64 @@
+"""Exported model folders: weights (safetensors) + config.yaml + metrics.json + command.txt."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+
+# How each shipped checkpoint is made, for error messages.
+REPRODUCE = {
+    "vq_shapes": "python -m specgen.train experiment=vq_shapes",
+    "ar_shapes": "python -m specgen.train experiment=ar_shapes",
+}
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file atomically (temp file in the same folder, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict, metrics: dict | None = None,
+           command: str | None = None, extra: dict | None = None) -> Path:
+    """Save a module's weights and the config that builds it into `dirpath`."""
+    dirpath = Path(dirpath)
+    dirpath.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(dir=dirpath, prefix=".model.")
+    os.close(fd)
+    save_file(state, tmp)
+    os.replace(tmp, dirpath / "model.safetensors")
+    cfg = OmegaConf.create(OmegaConf.to_container(net_cfg, resolve=True) if isinstance(net_cfg, DictConfig)
+                           else net_cfg)
+    atomic_write_text(dirpath / "config.yaml", OmegaConf.to_yaml(cfg))
+    if metrics is not None:
+        atomic_write_text(dirpath / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    if command is not None:
+        atomic_write_text(dirpath / "command.txt", command.strip() + "\n")
+    if extra is not None:
+        atomic_write_text(dirpath / "extra.json", json.dumps(extra, indent=2, sort_keys=True) + "\n")
+    return dirpath
+
+
+def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the module from `dirpath/config.yaml` and load its weights (in eval mode)."""
+    from hydra.utils import instantiate
+
+    dirpath = Path(dirpath)
+    if not (dirpath / "model.safetensors").is_file() or not (dirpath / "config.yaml").is_file():
+        name = dirpath.name
+        hint = REPRODUCE.get(name, "the training command of this model (see the README)")
+        raise FileNotFoundError(f"no exported model at {str(dirpath)!r} (expected model.safetensors and config.yaml "
+                                f"there): create it with `{hint}`, or point the config at an existing folder")
+    net = instantiate(OmegaConf.load(dirpath / "config.yaml"))
+    net.load_state_dict(load_file(str(dirpath / "model.safetensors"), device=str(map_location)))
+    return net.to(map_location).eval()

@@ -1,0 +1,32 @@
+"""Test setup: offline, CPU, tiny models; nothing is written into the repository."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("SPECGEN_WANDB_OFFLINE", "true")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_exports(tmp_path_factory):
+    """A tiny random VQ tokenizer and backbone exported like the shipped ones."""
+    from specgen.backbones.shapes_llama import ShapesLlama
+    from specgen.tokenizers.vq import VQAutoencoder
+    from specgen.utils.checkpoints import export
+
+    root = tmp_path_factory.mktemp("exports")
+    torch.manual_seed(0)
+    vq_cfg = {"_target_": "specgen.tokenizers.vq.VQAutoencoder", "image_size": 64, "ch": 16, "mults": [2, 2],
+              "z_dim": 8, "num_codes": 64}
+    ar_cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 16,
+              "preset": "tiny"}
+    from hydra.utils import instantiate
+
+    export(root / "vq", instantiate(vq_cfg), vq_cfg)
+    export(root / "ar", instantiate(ar_cfg), ar_cfg)
+    return root
