@@ -17,7 +17,8 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
          "tokenizer.num_codes=64", "data.batch_size=4", "num_threads=1"]
     if exp.startswith("ar"):
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
-              "data.train_shards=1", "data.encode_batch=16"]
+              "data.train_shards=1", "data.encode_batch=16",
+              "module.val_geneval.prompts_per_task=1", "module.val_geneval.samples=1"]
     else:
         o += ["data.val_size=8"]
     return o

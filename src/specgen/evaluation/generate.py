@@ -47,7 +47,8 @@ def cache_key(*parts) -> str:
 def _save_png(path: Path, image: np.ndarray) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
     os.close(fd)
-    Image.fromarray(image).save(tmp)
+    Image.fromarray(image).save(tmp, format="PNG")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600 files
     os.replace(tmp, path)
 
 

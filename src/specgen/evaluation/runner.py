@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
+from specgen.evaluation.geneval import TASKS
 from specgen.utils.checkpoints import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,18 @@ def speed_metrics(stats: list[dict]) -> dict[str, float]:
 
 
 def format_table(metrics: dict[str, float]) -> str:
-    width = max(len(k) for k in metrics)
-    return "\n".join(f"{k:<{width}}  {v:10.4f}" for k, v in sorted(metrics.items()))
+    """Group flat `<decoding>/<section>/<name>` metrics into one aligned block per section."""
+    sections: dict[str, list[tuple[str, float]]] = {}
+    for key, value in metrics.items():
+        head, _, name = key.rpartition("/")
+        sections.setdefault(head or key, []).append((name, value))
+    lines = []
+    for head, items in sections.items():
+        lines.append(f"[{head}]")
+        order = {t: i for i, t in enumerate(TASKS + ("overall",))}
+        for name, value in sorted(items, key=lambda kv: (order.get(kv[0], 99), kv[0])):
+            lines.append(f"  {name:<18} {value:10.4f}")
+    return "\n".join(lines)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:

@@ -24,6 +24,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600 files
     os.replace(tmp, path)
 
 
@@ -36,6 +37,7 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
     fd, tmp = tempfile.mkstemp(dir=dirpath, prefix=".model.")
     os.close(fd)
     save_file(state, tmp)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, dirpath / "model.safetensors")
     cfg = OmegaConf.create(OmegaConf.to_container(net_cfg, resolve=True) if isinstance(net_cfg, DictConfig)
                            else net_cfg)

@@ -43,22 +43,34 @@ def _template(shape: str, side: int) -> np.ndarray:
     return shape_mask(shape, (0, 0, side, side), side)
 
 
-def _resize_mask(mask: np.ndarray, h: int, w: int) -> np.ndarray:
-    ys = (np.arange(h) * mask.shape[0] / h).astype(int)
-    xs = (np.arange(w) * mask.shape[1] / w).astype(int)
-    return mask[ys][:, xs]
+def _fit_template(mask: np.ndarray, canvas: int, search: int = 2) -> tuple[str, str, tuple[int, int, int, int], float]:
+    """Best (shape, size, box, IoU) over every shape at the world's two sizes and small shifts.
 
-
-def _classify_shape(crop: np.ndarray) -> tuple[str, float]:
-    side = max(3, round((crop.shape[0] + crop.shape[1]) / 2))
-    crop = _resize_mask(crop, side, side)
-    best, best_iou = SHAPES[0], -1.0
-    for shape in SHAPES:
-        t = _template(shape, side)
-        iou = (crop & t).sum() / max((crop | t).sum(), 1)
-        if iou > best_iou:
-            best, best_iou = shape, float(iou)
-    return best, best_iou
+    The world has exactly two object sizes, so templates are matched at those sizes, placed by the
+    mask's box centre and shifted by up to `search` px: a blurred small diamond is then still a
+    diamond, even when its tips fall below the threshold and its own box shrinks.
+    """
+    ys, xs = np.nonzero(mask)
+    cx, cy = (xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2
+    area = int(mask.sum())
+    best = ("circle", "small", (0, 0, 0, 0), -1.0)
+    for size, frac in SIZES.items():
+        side = round(frac * canvas)
+        for shape in SHAPES:
+            t = _template(shape, side)
+            t_area = int(t.sum())
+            for dy in range(-search, search + 1):
+                for dx in range(-search, search + 1):
+                    x0, y0 = int(round(cx - side / 2)) + dx, int(round(cy - side / 2)) + dy
+                    mx0, my0 = max(x0, 0), max(y0, 0)
+                    mx1, my1 = min(x0 + side, mask.shape[1]), min(y0 + side, mask.shape[0])
+                    if mx1 <= mx0 or my1 <= my0:
+                        continue
+                    inter = int((mask[my0:my1, mx0:mx1] & t[my0 - y0:my1 - y0, mx0 - x0:mx1 - x0]).sum())
+                    iou = inter / (area + t_area - inter)
+                    if iou > best[3]:
+                        best = (shape, size, (x0, y0, x0 + side, y0 + side), iou)
+    return best
 
 
 def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
@@ -83,15 +95,10 @@ def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
         # crosses half of its colour's saturation, as for a step edge seen through a blur
         solid = mask & (sat > 0.5 * _PALETTE_SAT[color])
         mask = solid if solid.sum() >= 0.5 * mask.sum() else mask
-        ys, xs = np.nonzero(mask)
-        x0, y0, x1, y1 = xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
-        shape, iou = _classify_shape(ndimage.binary_fill_holes(mask[y0:y1, x0:x1]))
-        side = ((x1 - x0) + (y1 - y0)) / 2 / w
-        size = "small" if side < (SIZES["small"] + SIZES["large"]) / 2 else "large"
+        shape, size, box, iou = _fit_template(ndimage.binary_fill_holes(mask), w)
         # IoU >= 0.7 is a clean shape (score 1); below 0.4 it is a blob (score 0)
         score = float(np.clip((iou - 0.4) / 0.3, 0.0, 1.0))
-        dets.append(Detection(shape, _COLOR_NAMES[color], size,
-                              (int(x0), int(y0), int(x1), int(y1)), score, mask))
+        dets.append(Detection(shape, _COLOR_NAMES[color], size, box, score, mask))
     dets.sort(key=lambda d: -int(d.mask.sum()))
     return dets
 

@@ -1,0 +1,33 @@
+# specgen: `make quickstart` sets up and runs the main job; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+RUN ?= logs/quickstart
+
+.PHONY: setup quickstart test test-slow retrain-tokenizer retrain-backbone clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+quickstart: setup
+	WANDB_SILENT=true $(BIN)/python -m specgen.eval experiment=quickstart hydra.run.dir=$(RUN)
+
+test: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: setup
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -m slow -q
+
+retrain-tokenizer: setup
+	$(BIN)/python -m specgen.train experiment=vq_shapes hydra.run.dir=logs/vq_shapes/run0
+
+retrain-backbone: setup
+	$(BIN)/python -m specgen.train experiment=ar_shapes_train hydra.run.dir=logs/ar_shapes_train/run0
+
+clean:
+	rm -rf logs outputs .pytest_cache
