@@ -40,11 +40,13 @@ def test_every_config_composes(tmp_path):
         compose_cfg("train", [f"trainer={trainer}"], tmp_path)
 
 
-@pytest.mark.parametrize("exp", ["vq_shapes", "ar_shapes_train"])
-def test_fast_dev_run_of_every_module(exp, tmp_path, tiny_exports):
+@pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("ar_shapes_train", ["backbone.eol=true"]),
+                                       ("ar_shapes_train", ["backbone.eol=false"])])
+def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
+    """Every LightningModule trains and validates one batch (both row layouts of the backbone)."""
     from specgen.train import train
 
-    cfg = compose_cfg("train", _tiny_train(exp, tiny_exports) + ["debug=fast_dev_run"], tmp_path)
+    cfg = compose_cfg("train", _tiny_train(exp, tiny_exports) + extra + ["debug=fast_dev_run"], tmp_path)
     metrics = train(cfg)
     assert metrics["train/loss"] > 0
 

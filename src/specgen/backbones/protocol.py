@@ -74,6 +74,7 @@ class DiscreteBackbone(Protocol):
     """
 
     grid: TokenGrid
+    hidden_size: int
 
     def prompt_ids(self, prompts: list[str]) -> torch.Tensor: ...          # (B, prefix_len) conditional
     def null_prompt_ids(self, batch: int) -> torch.Tensor: ...             # (B, prefix_len) unconditional
@@ -81,5 +82,6 @@ class DiscreteBackbone(Protocol):
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache=None,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor: ...  # (B, q, D)
     def head(self, hidden: torch.Tensor) -> torch.Tensor: ...              # (B, q, V) logits
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...                # (B, q) -> (B, q, D)
     def rollback(self, cache, length: int) -> None: ...
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...             # (B, H, W) -> (B, 3, S, S) in [0, 1]

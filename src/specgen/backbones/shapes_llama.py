@@ -98,6 +98,14 @@ class ShapesLlama(nn.Module):
                                use_cache=cache is not None)
         return out.last_hidden_state
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of token ids: (...,) -> (..., D)."""
+        return self.model.model.embed_tokens(ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection: (..., D) -> (..., V) logits."""
         return self.model.lm_head(self.final_norm(hidden))

@@ -50,3 +50,23 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
 
 def make_generators(seeds: list[int], device="cpu") -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+
+
+def sample_probs(p: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+    """Draw ids from probabilities (B, ..., V) by inverse CDF (exact argmax for one-hot rows)."""
+    cdf = p.cumsum(-1)
+    u = uniform(tuple(p.shape[:-1]), generators, p.device) * cdf[..., -1]
+    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
+
+
+def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                       generators: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling at every position: keep token t ~ q with prob min(1, p(t)/q(t)), else
+    redraw from the residual norm(max(0, p - q)). tokens (B, N), p/q (B, N, V) -> (tokens, accepted)."""
+    pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    accepted = uniform(tuple(tokens.shape), generators, tokens.device) * qt < pt  # u < p/q without dividing
+    resid = (p - q).clamp_min(0)
+    mass = resid.sum(-1, keepdim=True)
+    resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)  # p == q: rejection had prob 0
+    return torch.where(accepted, tokens, sample_probs(resid, generators)), accepted

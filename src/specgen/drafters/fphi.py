@@ -1,0 +1,64 @@
+"""f_phi: the SSD drafter. From the backbone's pre-norm hidden state h_q at position q and the
+embedding of the token x_{q+1} that h_q predicted, it predicts the pre-norm hidden state one step
+right (h_{q+1}) and one row down (h_{q+S}, S the row stride). Predictions go through the
+backbone's own final norm and head, so f_phi never owns an output layer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+PRESETS = {  # name -> (width multiplier of the backbone's hidden size, residual MLP blocks)
+    "xs": (1, 1),
+    "s": (1, 2),
+    "m": (2, 2),
+    "l": (2, 4),
+}
+DIRECTIONS = ("right", "down")
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class FPhi(nn.Module):
+    """Two-direction hidden-state predictor; each direction is a residual MLP over [h_q, e(x_{q+1})]."""
+
+    def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
+                 blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):
+        super().__init__()
+        if preset not in PRESETS:
+            raise ValueError(f"unknown f_phi preset {preset!r}: expected one of {sorted(PRESETS)}")
+        bad = [d for d in directions if d not in DIRECTIONS]
+        if bad:
+            raise ValueError(f"unknown f_phi directions {bad}: expected a subset of {DIRECTIONS}")
+        mult, n_blocks = PRESETS[preset]
+        width = (width_mult or mult) * hidden_size
+        self.hidden_size, self.directions, self.backbone_id = hidden_size, tuple(directions), backbone_id
+        self.in_norm = nn.LayerNorm(hidden_size)  # pre-norm states have a large, growing scale
+        self.nets = nn.ModuleDict({
+            d: nn.Sequential(nn.Linear(2 * hidden_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
+                             nn.LayerNorm(width), nn.Linear(width, hidden_size))
+            for d in directions})
+        for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
+            nn.init.zeros_(net[-1].weight)
+            nn.init.zeros_(net[-1].bias)
+
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
+        """(..., D) pre-norm state at q and (..., D) embedding of x_{q+1} -> (..., D) predicted pre-norm state."""
+        if direction not in self.nets:
+            raise ValueError(f"this f_phi predicts {self.directions}, not {direction!r}")
+        x = torch.cat([self.in_norm(hidden), next_embed], dim=-1)
+        return hidden + self.nets[direction](x)
+
+    def right(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        return self(hidden, next_embed, "right")
+
+    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        return self(hidden, next_embed, "down")
