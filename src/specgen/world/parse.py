@@ -11,7 +11,7 @@ import dataclasses
 from functools import lru_cache
 
 import numpy as np
-from scipy import ndimage
+from scipy import ndimage, signal
 
 from specgen.world.render import shape_mask
 from specgen.world.scene import COLORS, SHAPES, SIZES, Scene
@@ -53,23 +53,20 @@ def _fit_template(mask: np.ndarray, canvas: int, search: int = 2) -> tuple[str, 
     ys, xs = np.nonzero(mask)
     cx, cy = (xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2
     area = int(mask.sum())
+    pad = canvas  # zero margin so that every shifted template window lies inside the array
+    padded = np.pad(mask, pad).astype(np.float32)
     best = ("circle", "small", (0, 0, 0, 0), -1.0)
     for size, frac in SIZES.items():
         side = round(frac * canvas)
+        x0, y0 = int(round(cx - side / 2)) - search, int(round(cy - side / 2)) - search
+        window = padded[y0 + pad: y0 + pad + side + 2 * search, x0 + pad: x0 + pad + side + 2 * search]
         for shape in SHAPES:
             t = _template(shape, side)
-            t_area = int(t.sum())
-            for dy in range(-search, search + 1):
-                for dx in range(-search, search + 1):
-                    x0, y0 = int(round(cx - side / 2)) + dx, int(round(cy - side / 2)) + dy
-                    mx0, my0 = max(x0, 0), max(y0, 0)
-                    mx1, my1 = min(x0 + side, mask.shape[1]), min(y0 + side, mask.shape[0])
-                    if mx1 <= mx0 or my1 <= my0:
-                        continue
-                    inter = int((mask[my0:my1, mx0:mx1] & t[my0 - y0:my1 - y0, mx0 - x0:mx1 - x0]).sum())
-                    iou = inter / (area + t_area - inter)
-                    if iou > best[3]:
-                        best = (shape, size, (x0, y0, x0 + side, y0 + side), iou)
+            inter = signal.correlate(window, t.astype(np.float32), mode="valid")  # (2s+1, 2s+1) overlaps
+            iou = inter / (area + int(t.sum()) - inter)
+            dy, dx = np.unravel_index(int(iou.argmax()), iou.shape)
+            if iou[dy, dx] > best[3]:
+                best = (shape, size, (x0 + dx, y0 + dy, x0 + dx + side, y0 + dy + side), float(iou[dy, dx]))
     return best
 
 

@@ -1,0 +1,77 @@
+"""The eval entry point: metrics.json keys, image cache reuse and resume, GenEval rules."""
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import compose_cfg
+from specgen.evaluation.geneval import Object, evaluate, read_metadata, summarize
+
+TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+
+
+def _eval_cfg(tmp_path, exports, extra=()):
+    return compose_cfg("eval", ["experiment=ar_shapes", f"generator.backbone_dir={exports / 'ar'}",
+                                f"generator.tokenizer_dir={exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
+                                "benchmark.geneval.samples_per_prompt=1", "logger=csv", *extra], tmp_path)
+
+
+def test_eval_writes_flat_metrics_and_reuses_cached_images(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    cfg = _eval_cfg(tmp_path, tiny_exports)
+    metrics = run_eval(cfg)
+    out = Path(cfg.paths.output_dir)
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk == pytest.approx(metrics)
+    for task in TASKS + ("overall",):
+        assert 0.0 <= on_disk[f"ar/geneval/{task}"] <= 1.0
+    assert on_disk["ar/speed/nfe"] == 256  # 16x16 grid: one pass per visual token
+    assert (out / "grid.png").is_file() and (out / "results.csv").is_file()
+
+    pngs = sorted(Path(cfg.paths.data_dir, "image_cache").rglob("*.png"))
+    assert len(pngs) == 6
+    stamps = {p: p.stat().st_mtime_ns for p in pngs}
+    for p in pngs[:3]:  # an interrupted run: three images never written
+        p.unlink()
+    again = run_eval(_eval_cfg(tmp_path, tiny_exports))
+    quality = {k: v for k, v in metrics.items() if "/geneval/" in k}
+    assert {k: again[k] for k in quality} == quality  # same images (per-image seeds), same scores
+    regenerated = [p for p in pngs if p.stat().st_mtime_ns != stamps.get(p)]
+    assert sorted(regenerated) == sorted(pngs[:3])
+
+
+def _obj(cls, box, color=None, score=1.0):
+    return Object(cls, box, score, color)
+
+
+def test_geneval_rules_in_both_directions():
+    two = {"tag": "counting", "include": [{"class": "circle", "count": 2}], "exclude": [{"class": "circle", "count": 3}]}
+    c = [_obj("circle", (0, 0, 10, 10)), _obj("circle", (20, 0, 30, 10))]
+    assert evaluate(c, two)[0]
+    assert not evaluate(c + [_obj("circle", (40, 0, 50, 10))], two)[0]  # exactly N
+    assert evaluate(c + [_obj("circle", (40, 0, 50, 10), score=0.8)], two)[0]  # below the 0.9 counting threshold
+    colour = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}]}
+    assert evaluate([_obj("square", (0, 0, 9, 9), "red")], colour)[0]
+    assert not evaluate([_obj("square", (0, 0, 9, 9), "blue")], colour)[0]
+    assert not evaluate([_obj("square", (0, 0, 9, 9), "red", score=0.2)], colour)[0]  # below 0.3
+    pos = {"tag": "position", "include": [{"class": "square", "count": 1},
+                                          {"class": "circle", "count": 1, "position": ["left of", 0]}]}
+    assert evaluate([_obj("square", (40, 0, 50, 10)), _obj("circle", (0, 0, 10, 10))], pos)[0]
+    assert not evaluate([_obj("square", (0, 0, 10, 10)), _obj("circle", (40, 0, 50, 10))], pos)[0]
+    assert not evaluate([_obj("circle", (0, 0, 10, 10))], pos)[0]  # no target
+    assert summarize([{"tag": "colors", "correct": True}, {"tag": "colors", "correct": False},
+                      {"tag": "counting", "correct": True}]) == {"colors": 0.5, "counting": 1.0, "overall": 0.75}
+
+
+def test_official_metadata_parses_and_bad_files_name_the_line(tmp_path):
+    official = Path(__file__).resolve().parents[2] / "shared" / "benchmarks" / "geneval" / "evaluation_metadata.jsonl"
+    if official.is_file():
+        items = read_metadata(official)
+        assert len(items) == 553 and {m["tag"] for m in items} == set(TASKS)
+    bad = tmp_path / "meta.jsonl"
+    bad.write_text('{"tag": "colors", "include": [], "prompt": "x"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"meta.jsonl:2: not valid JSON"):
+        read_metadata(bad)
+    with pytest.raises(FileNotFoundError, match="evaluation_metadata.jsonl"):
+        read_metadata(tmp_path / "missing.jsonl")

@@ -1,0 +1,98 @@
+"""SSD against references: token equality with AR under greedy decoding, exact distribution in lossless mode."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specgen.backbones.shapes_llama import ShapesLlama
+from specgen.decoding import ar, ssd
+from specgen.decoding.sampling import make_generators
+from specgen.drafters.fphi import FPhi
+
+PROMPTS = ["a photo of a red circle", "two squares", "a large blue cross in the top left ."]
+
+
+def tiny(eol: bool, codes: int = 24, grid: int = 5, sharpen: float = 20.0) -> ShapesLlama:
+    torch.manual_seed(0)
+    m = ShapesLlama(num_codes=codes, grid_size=grid, eol=eol, preset="tiny").eval()
+    with torch.no_grad():
+        m.model.lm_head.weight.mul_(sharpen)  # varied greedy outputs from a random model
+    return m
+
+
+def noisy_drafter(m: ShapesLlama) -> FPhi:
+    torch.manual_seed(1)
+    d = FPhi(m.hidden_size, "xs")
+    for net in d.nets.values():
+        torch.nn.init.normal_(net[-1].weight, std=0.05)  # an imperfect drafter: many rejections
+    return d
+
+
+@pytest.mark.parametrize("eol", [True, False])
+@pytest.mark.parametrize("kw", [dict(rounds=5), dict(exact=True), dict(rounds=5, vertical=False),
+                                dict(exact=True, vertical=False)])
+def test_greedy_ssd_equals_greedy_ar(eol, kw):
+    m = tiny(eol)
+    p = m.prompt_ids(PROMPTS)
+    for scale in (1.0, 3.0):
+        ref, _ = ar.generate(m, p, cfg_scale=scale, temperature=0)
+        out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=scale, temperature=0, **kw)
+        assert torch.equal(out, ref)
+        assert len(torch.unique(ref)) > 3
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_nfe_is_bounded_by_rows_times_rounds_plus_one(rounds):
+    m = tiny(True)
+    _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds,
+                         generators=make_generators([0, 1, 2]))
+    assert st["nfe"] <= m.grid.height * (rounds + 1) + 1
+    assert st["accept_map"].shape == (3, m.grid.height, m.grid.width)
+    assert (st["rounds_per_row"] <= rounds + 1).all()
+
+
+def _exact_joint(m: ShapesLlama, prompt: str, cfg_scale: float) -> np.ndarray:
+    """Exact probability of every 2x2 image under the model (temperature 1), by enumeration."""
+    g = m.grid
+    V = g.num_visual
+    pid = m.prompt_ids([prompt])
+    ids = torch.cat([pid, m.null_prompt_ids(1)]) if cfg_scale != 1 else pid
+    joint = np.zeros((V,) * 4)
+    with torch.no_grad():
+        for img in itertools.product(range(V), repeat=4):
+            seq = g.grid_to_sequence(torch.tensor(img).view(1, 2, 2)).repeat(ids.shape[0], 1)
+            logits = m(torch.cat([ids, seq], 1))[:, g.prefix_len - 1:]
+            lp = 0.0
+            for k, (r, c) in enumerate(itertools.product(range(2), range(2))):
+                pos = g.position(r, c) - g.prefix_len
+                lv = logits[:, pos, g.visual_start:g.visual_start + V]
+                if cfg_scale != 1:
+                    lv = lv[1] + cfg_scale * (lv[0] - lv[1])
+                lp += torch.log_softmax(lv.flatten(), -1)[img[k]].item()
+            joint[img] = np.exp(lp)
+    return joint / joint.sum()
+
+
+@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal"])
+def test_lossless_modes_sample_the_models_distribution(decoder):
+    """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells)."""
+    m = tiny(True, codes=4, grid=2, sharpen=3.0)
+    joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
+    n = 4000
+    prompt_ids = m.prompt_ids([PROMPTS[0]] * n)
+    gens = make_generators(range(n))
+    if decoder == "ar":
+        out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, generators=gens)
+    else:
+        out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m), cfg_scale=2.0, exact=True,
+                              vertical=decoder == "ssd_exact", generators=gens)
+    flat = (out.view(n, 4) * torch.tensor([64, 16, 4, 1])).sum(1).numpy()
+    observed = np.bincount(flat, minlength=256)
+    expected = joint.reshape(-1) * n
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    p_value = stats.chisquare(obs, exp).pvalue
+    assert p_value > 1e-3, p_value
