@@ -75,9 +75,22 @@ def _exact_joint(m: ShapesLlama, prompt: str, cfg_scale: float) -> np.ndarray:
     return joint / joint.sum()
 
 
-@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal"])
-def test_lossless_modes_sample_the_models_distribution(decoder):
-    """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells)."""
+def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
+    n = out.shape[0]
+    flat = (out.view(n, 4) * torch.tensor([64, 16, 4, 1])).sum(1).numpy()
+    observed = np.bincount(flat, minlength=256)
+    expected = joint.reshape(-1) * n
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    return stats.chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "broken"])
+def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
+    """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
+
+    `broken` (every draft accepted: samples from the drafter) shows that the test has power."""
     m = tiny(True, codes=4, grid=2, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
     n = 4000
@@ -86,13 +99,12 @@ def test_lossless_modes_sample_the_models_distribution(decoder):
     if decoder == "ar":
         out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, generators=gens)
     else:
+        if decoder == "broken":
+            monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))
         out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m), cfg_scale=2.0, exact=True,
-                              vertical=decoder == "ssd_exact", generators=gens)
-    flat = (out.view(n, 4) * torch.tensor([64, 16, 4, 1])).sum(1).numpy()
-    observed = np.bincount(flat, minlength=256)
-    expected = joint.reshape(-1) * n
-    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
-    obs = np.append(observed[keep], observed[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    p_value = stats.chisquare(obs, exp).pvalue
-    assert p_value > 1e-3, p_value
+                              vertical=decoder != "ssd_exact_horizontal", generators=gens)
+    p_value = _gof_pvalue(out, joint)
+    if decoder == "broken":
+        assert p_value < 1e-6, p_value
+    else:
+        assert p_value > 1e-3, p_value

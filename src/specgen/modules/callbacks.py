@@ -21,7 +21,8 @@ class ExportModel(L.Callback):
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["global_step"] = trainer.global_step
         command = _command()
-        export(self.dirpath, pl_module.net, self.net_cfg, metrics, command)
+        extra = pl_module.export_extra() if hasattr(pl_module, "export_extra") else None
+        export(self.dirpath, pl_module.net, self.net_cfg, metrics, command, extra)
 
     def on_validation_end(self, trainer, pl_module):
         if self.every_validation:

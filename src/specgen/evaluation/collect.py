@@ -1,0 +1,69 @@
+"""Collect a Hydra sweep folder (or several run folders) into one table.
+
+    python -m specgen.evaluation.collect <sweep_dir> [--metrics geneval] [--out table.csv]
+
+Each job folder holds metrics.json and .hydra/overrides.yaml; the table has one row per job,
+its overrides as the first columns and every metric matching `--metrics` after them.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from pathlib import Path
+
+import yaml
+
+from specgen.utils.checkpoints import atomic_write_text
+
+
+def collect(root: str | Path, pattern: str = "") -> list[dict]:
+    rows = []
+    for metrics_file in sorted(Path(root).rglob("metrics.json"), key=lambda p: str(p)):
+        job = metrics_file.parent
+        overrides_file = job / ".hydra" / "overrides.yaml"
+        overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
+        row = {"job": str(job.relative_to(root)) if job != Path(root) else "."}
+        row.update(o.split("=", 1) for o in overrides if "=" in o and not o.startswith("hydra."))
+        metrics = json.loads(metrics_file.read_text())
+        # strip the decoding prefix so that jobs with different strategies share columns
+        row.update({k.split("/", 1)[1] if "/" in k else k: v for k, v in metrics.items() if pattern in k})
+        row["decoding"] = next(iter(metrics)).split("/", 1)[0] if metrics else ""
+        rows.append(row)
+    if not rows:
+        raise FileNotFoundError(f"no metrics.json under {str(root)!r}: point at a run or sweep folder of specgen.eval")
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root", help="a sweep folder (logs/<task>/multiruns/<time>) or a run folder")
+    ap.add_argument("--metrics", default="", help="keep metrics whose name contains this (e.g. geneval)")
+    ap.add_argument("--out", default=None, help="also write the table as CSV here")
+    args = ap.parse_args()
+    rows = collect(args.root, args.metrics)
+    print(format_rows(rows))
+    if args.out:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(args.out, buf.getvalue())
+
+
+if __name__ == "__main__":
+    main()

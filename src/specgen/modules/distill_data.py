@@ -1,0 +1,124 @@
+"""Self-distillation data: sequences sampled from the frozen backbone and its pre-norm hidden states.
+
+A separate, cached stage (the teacher is expensive, the student cheap): shard k holds `shard_size`
+sequences sampled with plain AR decoding for training-split prompts, and for each the teacher's
+pre-norm last-layer states from the begin-of-image position to the last visual token, under
+the conditional and the unconditional prompt (CFG drafts need both). Shards are keyed by the
+backbone's weights and the sampling settings, written atomically, and resumed by shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+from specgen.backbones.loading import load_shapes_generator
+from specgen.decoding import ar
+from specgen.decoding.sampling import make_generators
+from specgen.utils.validate import expect_int
+from specgen.world.prompts import sample_example
+
+
+def teacher_states(backbone, prompt_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm states and token ids of the image part, from begin-of-image to the last visual token.
+
+    Returns (states (B, L, D), ids (B, L)) where states[:, i] sits at sequence position
+    prefix_len - 1 + i and ids[:, i] is the token it predicts (position prefix_len + i).
+    """
+    g = backbone.grid
+    image = g.grid_to_sequence(codes)  # (B, H*stride [+1])
+    seq = torch.cat([prompt_ids, image], 1)
+    end = g.position(g.height - 1, g.width - 1)  # last visual token: its state is not needed
+    states = backbone.forward_hidden(seq[:, :end], torch.arange(end, device=seq.device))
+    return states[:, g.prefix_len - 1:], seq[:, g.prefix_len:end + 1]
+
+
+class TeacherShards(Dataset):
+    """Item: cond and uncond teacher states (2, L, D) float32 and the predicted ids (L,)."""
+
+    def __init__(self, files: list[Path]):
+        parts = [np.load(f) for f in files]
+        self.states = np.concatenate([p["states"] for p in parts])  # (N, 2, L, D) float16
+        self.ids = np.concatenate([p["ids"] for p in parts])  # (N, L) int32
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"states": torch.from_numpy(self.states[i].astype(np.float32)),
+                "ids": torch.from_numpy(self.ids[i].astype(np.int64))}
+
+
+class DistillDataModule(L.LightningDataModule):
+    def __init__(self, backbone_dir: str, tokenizer_dir: str, cache_dir: str, train_shards: int = 4,
+                 val_shards: int = 1, shard_size: int = 512, sample_batch: int = 64, cfg_scale: float = 3.0,
+                 temperature: float = 1.0, top_k: int | None = None, batch_size: int = 16, seed: int = 0,
+                 num_workers: int = 0):
+        super().__init__()
+        for name in ("train_shards", "val_shards", "shard_size", "sample_batch", "batch_size"):
+            expect_int(f"data.{name}", locals()[name], 1)
+        self.save_hyperparameters()
+
+    def _key(self) -> str:
+        from specgen.backbones.loading import weights_id
+
+        h = self.hparams
+        spec = [weights_id(h.backbone_dir), h.shard_size, h.cfg_scale, h.temperature, h.top_k, h.seed]
+        return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12]
+
+    def shard_path(self, split: str, k: int) -> Path:
+        return Path(self.hparams.cache_dir) / self._key() / f"{split}_{k:05d}.npz"
+
+    def prepare_data(self):
+        h = self.hparams
+        todo = [(s, k) for s, n in (("train", h.train_shards), ("val", h.val_shards)) for k in range(n)
+                if not self.shard_path(s, k).is_file()]
+        if not todo:
+            return
+        backbone = load_shapes_generator(h.backbone_dir, h.tokenizer_dir)
+        for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
+            self._write_shard(backbone, split, k)
+
+    @torch.no_grad()
+    def _write_shard(self, backbone, split: str, k: int):
+        h = self.hparams
+        states, ids = [], []
+        for start in tqdm(range(0, h.shard_size, h.sample_batch), desc=f"{split} shard {k}", leave=False):
+            n = min(h.sample_batch, h.shard_size - start)
+            base = (k * h.shard_size + start) * 2 + (1 if split == "val" else 0)
+            prompts = [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
+                       for i in range(n)]
+            cond = backbone.prompt_ids(prompts)
+            codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
+                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)]))
+            s_cond, tok = teacher_states(backbone, cond, codes)
+            s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
+            states.append(torch.stack([s_cond, s_null], 1).half().numpy())
+            ids.append(tok.int().numpy())
+        path = self.shard_path(split, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
+        os.close(fd)
+        np.savez(tmp, states=np.concatenate(states), ids=np.concatenate(ids))
+        os.replace(tmp, path)  # atomic: an interrupted stage resumes at this shard
+
+    def setup(self, stage: str | None = None):
+        h = self.hparams
+        self.train_set = TeacherShards([self.shard_path("train", k) for k in range(h.train_shards)])
+        self.val_set = TeacherShards([self.shard_path("val", k) for k in range(h.val_shards)])
+
+    def train_dataloader(self):
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.hparams.num_workers)
+
+    def val_dataloader(self):
+        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
