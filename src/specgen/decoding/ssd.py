@@ -19,62 +19,12 @@ from __future__ import annotations
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone
-from specgen.decoding.sampling import accept_or_resample, guide, probs, sample_probs
+from specgen.decoding.sampling import accept_or_resample, sample_probs
+from specgen.decoding.state import SpecState
 from specgen.utils.validate import expect_float, expect_int
 
 
-class _Run:
-    """Buffers of one batched generation: token values, latest target states, cache bookkeeping."""
-
-    def __init__(self, backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float,
-                 temperature: float, top_k: int | None, generators):
-        self.bb, self.g = backbone, backbone.grid
-        self.cfg_scale, self.temperature, self.top_k, self.gens = cfg_scale, temperature, top_k, generators
-        self.B = prompt_ids.shape[0]
-        ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(self.B)])
-        self.reps = ids.shape[0] // self.B
-        dev = ids.device
-        T = self.g.seq_len
-        self.seq = torch.zeros(ids.shape[0], T, dtype=torch.long, device=dev)  # (B', T) current tokens
-        self.seq[:, : ids.shape[1]] = ids
-        if self.g.eol_id is not None:
-            self.seq[:, self.g.position(torch.arange(self.g.height, device=dev), self.g.width)] = self.g.eol_id
-        self.hid = torch.zeros(ids.shape[0], T, backbone.hidden_size, device=dev)  # latest pre-norm states
-        self.cache = backbone.new_cache()
-        self.cached = 0  # cache positions [0, cached) hold the current tokens
-        self.nfe = self.draft_calls = 0
-
-    def target_pass(self, end: int) -> None:
-        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive)."""
-        if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
-            return
-        self.bb.rollback(self.cache, self.cached)
-        pos = torch.arange(self.cached, end, device=self.seq.device)
-        self.hid[:, self.cached:end] = self.bb.forward_hidden(self.seq[:, self.cached:end], pos, self.cache)
-        self.cached = end
-        self.nfe += 1
-
-    def dist(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes."""
-        g = self.g
-        logits = self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
-        if self.reps == 2:
-            logits = guide(logits, self.cfg_scale)
-        return probs(logits.float(), self.temperature, self.top_k)
-
-    def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor) -> None:
-        """Write visual codes (B, n) at positions (n,), invalidating the cache from the first change."""
-        new = (codes + self.g.visual_start).repeat(self.reps, 1)
-        changed = (self.seq[:, positions] != new).any(0)
-        if changed.any():
-            self.cached = min(self.cached, int(positions[changed.nonzero()[0, 0]]))
-        self.seq[:, positions] = new
-
-    def visual(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.seq[: self.B, positions] - self.g.visual_start
-
-
-def _draft_right(run: _Run, drafter, start: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain f_phi.right from the target state at `start` through known tokens into row `row`."""
     g = run.g
     h = run.hid[:, start]  # (B', D)
@@ -95,7 +45,7 @@ def _draft_right(run: _Run, drafter, start: int, row: int) -> tuple[torch.Tensor
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
 
 
-def _draft_down(run: _Run, drafter, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_down(run: SpecState, drafter, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """All columns of `row` at once: f_phi.down(h_{P(row-1, c) - 1}, e(x_{row-1, c}))."""
     g = run.g
     above = g.position(row - 1, torch.arange(g.width, device=run.seq.device))  # (W,)
@@ -112,7 +62,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats)."""
     expect_int("rounds", rounds, 0)
     expect_float("temperature", temperature, 0.0)
-    run = _Run(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     g, B, dev = run.g, run.B, prompt_ids.device
     run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
@@ -129,15 +79,14 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
             accept_map[:, r], rounds_used[:, r] = _verify_exact(run, cols, q)
         else:
             accept_map[:, r], rounds_used[:, r] = _verify_autocorrect(run, cols, q, rounds)
-    codes = run.visual(g.position(torch.arange(g.height, device=dev)[:, None],
-                                  torch.arange(g.width, device=dev)[None, :]).flatten()).view(B, g.height, g.width)
+    codes = run.codes()
     stats = {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
              "accept_map": accept_map}
     return codes, stats
 
 
-def _verify_autocorrect(run: _Run, cols: torch.Tensor, q: torch.Tensor, rounds: int):
+def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
     """Verify and correct every column each pass; re-verify up to `rounds` times."""
     proposal = q
     first_accept = None
@@ -159,7 +108,7 @@ def _verify_autocorrect(run: _Run, cols: torch.Tensor, q: torch.Tensor, rounds: 
     return first_accept, used
 
 
-def _verify_exact(run: _Run, cols: torch.Tensor, q: torch.Tensor):
+def _verify_exact(run: SpecState, cols: torch.Tensor, q: torch.Tensor):
     """Lossless: accept left to right up to the first rejection, correct it, repeat until the row is done."""
     B, W = q.shape[:2]
     frontier = torch.zeros(B, dtype=torch.long, device=q.device)

@@ -1,0 +1,61 @@
+"""Speculative sampling along the raster order, shared by 1D drafters (multi-token heads, a draft model).
+
+Each round, per image with frontier n (visual tokens final so far):
+  draft    a drafter proposes tokens for visual indices n, n+1, ... (a contiguous run, with q);
+  verify   one target pass over every image's span (fed from the smallest frontier);
+  accept   drafts left to right with prob min(1, p/q) up to the first rejection ...
+  correct  ... which is redrawn from norm(max(0, p - q)); if all drafts pass, one bonus token is
+           drawn from p. Lossless: the output distribution is the target's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specgen.decoding.sampling import accept_or_resample, sample_probs
+from specgen.decoding.state import SpecState
+
+# draft_fn(state, frontier (B,), lo, hi) -> (tokens (B, hi-lo), q (B, hi-lo, V), drafted (B, hi-lo) bool)
+DraftFn = Callable[[SpecState, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@torch.no_grad()
+def speculate(run: SpecState, draft_fn: DraftFn, window: int) -> dict:
+    """Fill all visual tokens of `run` by draft/verify rounds. Returns per-image statistics."""
+    g, B, dev = run.g, run.B, run.seq.device
+    vis = run.visual_positions()  # (N,)
+    N = vis.numel()
+    run.target_pass(g.prefix_len)  # prefill
+    frontier = torch.zeros(B, dtype=torch.long, device=dev)
+    accepted_total = torch.zeros(B, dtype=torch.long, device=dev)
+    while (frontier < N).any():
+        lo, hi = int(frontier.min()), min(N, int(frontier.max()) + window)
+        idx = torch.arange(lo, hi, device=dev)
+        tokens, q, drafted = draft_fn(run, frontier, lo, hi)
+        keep = idx[None, :] < frontier[:, None]  # final tokens stay as they are
+        run.set_tokens(vis[idx], torch.where(keep, run.visual(vis[idx]), tokens))
+        # feed through the last draft (and a following end-of-row) so p exists one index past it
+        run.target_pass(int(vis[hi]) if hi < N else int(vis[N - 1]))
+        pidx = torch.arange(lo, min(hi + 1, N), device=dev)
+        p = run.dist(run.hid[:, vis[pidx] - 1])  # (B, span', V)
+        span = hi - lo
+        cur = run.visual(vis[idx])
+        new, acc = accept_or_resample(cur, p[:, :span], q, run.gens)
+        ok = torch.cumprod((acc | ~drafted).long(), 1).bool() & drafted  # accepted run from the frontier
+        n_ok = ok.sum(1)
+        stop = frontier + n_ok  # (B,) first index that is not final yet
+        live = frontier < N
+        rejected = n_ok < drafted.sum(1)
+        col = (stop - lo).clamp(0, p.shape[1] - 1)
+        rows = torch.arange(B, device=dev)
+        # a rejected draft is redrawn from the residual; a fully accepted run earns a bonus draw from p
+        fix_tok = torch.where(rejected, new[rows, col.clamp_max(span - 1)], sample_probs(p[rows, col], run.gens))
+        has_fix = live & (stop < N) & (stop - lo < p.shape[1])
+        final = run.visual(vis[pidx])  # (B, span') incl. one index past the span
+        final[rows[has_fix], col[has_fix]] = fix_tok[has_fix]
+        run.set_tokens(vis[pidx], final)
+        accepted_total += torch.where(live, n_ok, torch.zeros_like(n_ok))
+        frontier = torch.where(live, stop + has_fix.long(), frontier)
+    return {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": N / run.nfe,
+            "accepted_drafts": accepted_total.float()}

@@ -1,0 +1,52 @@
+"""Draft-model speculative decoding: a smaller AR model over the same vocabulary and token grid
+drafts `window` tokens autoregressively (with its own KV cache and CFG rows); the target verifies
+them in one pass with lossless speculative sampling (`spec1d.speculate`).
+"""
+from __future__ import annotations
+
+import torch
+
+from specgen.backbones.protocol import DiscreteBackbone
+from specgen.decoding.sampling import sample_probs
+from specgen.decoding.spec1d import speculate
+from specgen.decoding.state import SpecState
+from specgen.utils.validate import expect_float, expect_int
+
+
+def _model_drafter(draft: SpecState):
+    def propose(run: SpecState, frontier: torch.Tensor, lo: int, hi: int):
+        B, dev = run.B, run.seq.device
+        vis = run.visual_positions()
+        draft.set_tokens(vis[:lo], run.visual(vis[:lo]))  # sync the final tokens
+        span = hi - lo
+        tokens = torch.zeros(B, span, dtype=torch.long, device=dev)
+        q = torch.zeros(B, span, run.g.num_visual, device=dev)
+        for i in range(lo, hi):
+            draft.target_pass(int(vis[i]))  # the draft model's state before token i
+            qi = draft.dist(draft.hid[:, int(vis[i]) - 1])
+            known = i < frontier
+            tok = torch.where(known, run.visual(vis[i:i + 1])[:, 0], sample_probs(qi, run.gens))
+            draft.set_tokens(vis[i:i + 1], tok[:, None])
+            tokens[:, i - lo], q[:, i - lo] = tok, qi
+        run.draft_calls = draft.nfe
+        idx = torch.arange(lo, hi, device=dev)
+        drafted = (idx[None, :] >= frontier[:, None]) & (idx[None, :] < frontier[:, None] + span)
+        return tokens, q, drafted
+    return propose
+
+
+@torch.no_grad()
+def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter: DiscreteBackbone,
+             cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int | None = None, generators=None,
+             window: int = 4):
+    """Sample visual codes (B, H, W), `window` draft tokens per target pass. Returns (codes, stats)."""
+    expect_float("temperature", temperature, 0.0)
+    expect_int("window", window, 1)
+    if drafter.grid != backbone.grid:
+        raise ValueError(f"the draft model's token grid {drafter.grid} differs from the target's {backbone.grid}: "
+                         f"train the draft model on the same tokenizer and layout")
+    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    draft = SpecState(drafter, prompt_ids, cfg_scale, temperature, top_k, generators)
+    draft.target_pass(drafter.grid.prefix_len)
+    stats = speculate(run, _model_drafter(draft), window=window)
+    return run.codes(), stats

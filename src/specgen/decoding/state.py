@@ -1,0 +1,69 @@
+"""Shared state of speculative decoders: token values, latest target states, cache bookkeeping."""
+from __future__ import annotations
+
+import torch
+
+from specgen.backbones.protocol import DiscreteBackbone
+from specgen.decoding.sampling import guide, probs
+
+
+class SpecState:
+    """Buffers of one batched generation: token values, latest target states, cache bookkeeping."""
+
+    def __init__(self, backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float,
+                 temperature: float, top_k: int | None, generators):
+        self.bb, self.g = backbone, backbone.grid
+        self.cfg_scale, self.temperature, self.top_k, self.gens = cfg_scale, temperature, top_k, generators
+        self.B = prompt_ids.shape[0]
+        ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(self.B)])
+        self.reps = ids.shape[0] // self.B
+        dev = ids.device
+        T = self.g.seq_len
+        self.seq = torch.zeros(ids.shape[0], T, dtype=torch.long, device=dev)  # (B', T) current tokens
+        self.seq[:, : ids.shape[1]] = ids
+        if self.g.eol_id is not None:
+            self.seq[:, self.g.position(torch.arange(self.g.height, device=dev), self.g.width)] = self.g.eol_id
+        self.hid = torch.zeros(ids.shape[0], T, backbone.hidden_size, device=dev)  # latest pre-norm states
+        self.cache = backbone.new_cache()
+        self.cached = 0  # cache positions [0, cached) hold the current tokens
+        self.nfe = self.draft_calls = 0
+
+    def target_pass(self, end: int) -> None:
+        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive)."""
+        if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
+            return
+        self.bb.rollback(self.cache, self.cached)
+        pos = torch.arange(self.cached, end, device=self.seq.device)
+        self.hid[:, self.cached:end] = self.bb.forward_hidden(self.seq[:, self.cached:end], pos, self.cache)
+        self.cached = end
+        self.nfe += 1
+
+    def dist(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes."""
+        g = self.g
+        logits = self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+        if self.reps == 2:
+            logits = guide(logits, self.cfg_scale)
+        return probs(logits.float(), self.temperature, self.top_k)
+
+    def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor) -> None:
+        """Write visual codes (B, n) at positions (n,), invalidating the cache from the first change."""
+        new = (codes + self.g.visual_start).repeat(self.reps, 1)
+        changed = (self.seq[:, positions] != new).any(0)
+        if changed.any():
+            self.cached = min(self.cached, int(positions[changed.nonzero()[0, 0]]))
+        self.seq[:, positions] = new
+
+    def visual(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.seq[: self.B, positions] - self.g.visual_start
+
+    def visual_positions(self) -> torch.Tensor:
+        """(H*W,) sequence positions of the visual tokens in raster order."""
+        g = self.g
+        dev = self.seq.device
+        return g.position(torch.arange(g.height, device=dev)[:, None], torch.arange(g.width, device=dev)[None]).flatten()
+
+    def codes(self) -> torch.Tensor:
+        """The current visual codes (B, H, W)."""
+        return self.visual(self.visual_positions()).view(self.B, self.g.height, self.g.width)
+
