@@ -1,4 +1,5 @@
-"""SSD against references: token equality with AR under greedy decoding, exact distribution in lossless mode."""
+"""Speculative decoders against references: token equality with AR under greedy decoding, and the
+model's exact distribution for the lossless modes (SSD exact, multi-token heads, draft model)."""
 import itertools
 
 import numpy as np
@@ -7,9 +8,10 @@ import torch
 from scipy import stats
 
 from specgen.backbones.shapes_llama import ShapesLlama
-from specgen.decoding import ar, ssd
+from specgen.decoding import ar, mtp1d, specdec, ssd
 from specgen.decoding.sampling import make_generators
 from specgen.drafters.fphi import FPhi
+from specgen.drafters.mtp import MTPHeads
 
 PROMPTS = ["a photo of a red circle", "two squares", "a large blue cross in the top left ."]
 
@@ -41,6 +43,39 @@ def test_greedy_ssd_equals_greedy_ar(eol, kw):
         out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=scale, temperature=0, **kw)
         assert torch.equal(out, ref)
         assert len(torch.unique(ref)) > 3
+
+
+def noisy_heads(m: ShapesLlama, k: int = 3) -> MTPHeads:
+    torch.manual_seed(3)
+    heads = MTPHeads(m.hidden_size, k)
+    for net in heads.nets.values():
+        torch.nn.init.normal_(net[-1].weight, std=0.05)
+    return heads
+
+
+def draft_model(m: ShapesLlama, seed: int = 4) -> ShapesLlama:
+    torch.manual_seed(seed)
+    g = m.grid
+    d = ShapesLlama(num_codes=g.num_visual, grid_size=g.height, eol=g.eol_id is not None, preset="tiny").eval()
+    with torch.no_grad():
+        d.model.lm_head.weight.mul_(3)
+    return d
+
+
+@pytest.mark.parametrize("eol", [True, False])
+def test_greedy_1d_speculation_equals_greedy_ar(eol):
+    m = tiny(eol)
+    p = m.prompt_ids(PROMPTS)
+    for scale in (1.0, 3.0):
+        ref, _ = ar.generate(m, p, cfg_scale=scale, temperature=0)
+        out, _ = mtp1d.generate(m, p, noisy_heads(m), cfg_scale=scale, temperature=0)
+        assert torch.equal(out, ref)
+        out, _ = specdec.generate(m, p, draft_model(m), cfg_scale=scale, temperature=0, window=3)
+        assert torch.equal(out, ref)
+    # drafting with the target itself: every draft accepted, window + 1 tokens per pass
+    out, st = specdec.generate(m, p, m, cfg_scale=3.0, temperature=0, window=3)
+    assert torch.equal(out, ref)
+    assert st["nfe"] == 1 + -(-m.grid.num_visual_tokens // 4)
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 2])
@@ -86,7 +121,7 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
     return stats.chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "broken"])
+@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "mtp1d", "specdec", "broken"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
@@ -98,6 +133,10 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     gens = make_generators(range(n))
     if decoder == "ar":
         out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, generators=gens)
+    elif decoder == "mtp1d":
+        out, _ = mtp1d.generate(m, prompt_ids, noisy_heads(m, 2), cfg_scale=2.0, generators=gens)
+    elif decoder == "specdec":
+        out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, generators=gens, window=2)
     else:
         if decoder == "broken":
             monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))
