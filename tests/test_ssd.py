@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from specgen.backbones.shapes_llama import ShapesLlama
-from specgen.decoding import ar, mtp1d, specdec, ssd
+from specgen.decoding import ar, mtp1d, sjd, specdec, ssd
 from specgen.decoding.sampling import make_generators
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
@@ -72,6 +72,9 @@ def test_greedy_1d_speculation_equals_greedy_ar(eol):
         assert torch.equal(out, ref)
         out, _ = specdec.generate(m, p, draft_model(m), cfg_scale=scale, temperature=0, window=3)
         assert torch.equal(out, ref)
+        for init in sjd.INITS:
+            out, _ = sjd.generate(m, p, cfg_scale=scale, temperature=0, window=6, init=init)
+            assert torch.equal(out, ref)
     # drafting with the target itself: every draft accepted, window + 1 tokens per pass
     out, st = specdec.generate(m, p, m, cfg_scale=3.0, temperature=0, window=3)
     assert torch.equal(out, ref)
@@ -121,7 +124,8 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
     return stats.chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "mtp1d", "specdec", "broken"])
+@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "mtp1d", "specdec", "sjd",
+                                     "broken"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
@@ -135,6 +139,8 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
         out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, generators=gens)
     elif decoder == "mtp1d":
         out, _ = mtp1d.generate(m, prompt_ids, noisy_heads(m, 2), cfg_scale=2.0, generators=gens)
+    elif decoder == "sjd":
+        out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, generators=gens, window=3, init="vertical")
     elif decoder == "specdec":
         out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, generators=gens, window=2)
     else:

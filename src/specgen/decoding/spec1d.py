@@ -21,8 +21,11 @@ DraftFn = Callable[[SpecState, torch.Tensor, int, int], tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def speculate(run: SpecState, draft_fn: DraftFn, window: int) -> dict:
-    """Fill all visual tokens of `run` by draft/verify rounds. Returns per-image statistics."""
+def speculate(run: SpecState, draft_fn: DraftFn, window: int, observe=None) -> dict:
+    """Fill all visual tokens of `run` by draft/verify rounds. Returns per-image statistics.
+
+    `observe(indices, p)`, when given, sees every pass's target distributions (Jacobi drafters reuse them).
+    """
     g, B, dev = run.g, run.B, run.seq.device
     vis = run.visual_positions()  # (N,)
     N = vis.numel()
@@ -39,6 +42,8 @@ def speculate(run: SpecState, draft_fn: DraftFn, window: int) -> dict:
         run.target_pass(int(vis[hi]) if hi < N else int(vis[N - 1]))
         pidx = torch.arange(lo, min(hi + 1, N), device=dev)
         p = run.dist(run.hid[:, vis[pidx] - 1])  # (B, span', V)
+        if observe is not None:
+            observe(pidx, p)
         span = hi - lo
         cur = run.visual(vis[idx])
         new, acc = accept_or_resample(cur, p[:, :span], q, run.gens)
