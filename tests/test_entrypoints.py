@@ -8,8 +8,10 @@ from omegaconf import OmegaConf
 from helpers import compose_cfg
 from specgen.utils.hydra import CONFIG_DIR
 
-TRAIN_EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml")
-                           if "module" in p.read_text() or "train" in p.stem or p.stem.startswith("vq"))
+EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml"))
+# training experiments choose a LightningModule (directly or through the experiment they extend)
+TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "override /module" in Path(CONFIG_DIR, "experiment", f"{e}.yaml")
+                     .read_text() or e.endswith("_train")]
 
 
 def _tiny_train(exp: str, exports: Path) -> list[str]:
@@ -24,14 +26,18 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
     return o
 
 
-def test_every_config_composes(tmp_path):
-    for exp in [p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml")]:
-        for name in ("train", "eval"):
-            try:
-                cfg = compose_cfg(name, [f"experiment={exp}"], tmp_path)
-            except Exception:  # an experiment belongs to one entry point; the other must reject it
-                continue
-            OmegaConf.to_container(cfg, resolve=True)
+@pytest.mark.parametrize("exp", EXPERIMENTS)
+def test_every_experiment_composes_and_resolves(exp, tmp_path):
+    entry = "train" if exp in TRAIN_EXPERIMENTS else "eval"
+    OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}"], tmp_path), resolve=True)
+
+
+def test_every_config_group_option_composes(tmp_path):
+    for decoding in [p.stem for p in Path(CONFIG_DIR, "decoding").glob("*.yaml")]:
+        OmegaConf.to_container(compose_cfg("eval", [f"decoding={decoding}"], tmp_path), resolve=True)
+    for drafter in [p.stem for p in Path(CONFIG_DIR, "drafter").glob("*.yaml")]:
+        OmegaConf.to_container(compose_cfg("train", ["experiment=fphi_shapes", f"drafter={drafter}"], tmp_path),
+                               resolve=True)
     for debug in ("fast_dev_run", "overfit", "limit"):
         OmegaConf.to_container(compose_cfg("train", [f"debug={debug}"], tmp_path), resolve=True)
     for logger in ("wandb", "csv", "none"):

@@ -52,8 +52,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     benchmarks = [instantiate(b) for b in cfg.benchmark.values() if b is not None]
     jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
     unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
-    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(
-        OmegaConf.to_container(cfg.decoding.fn, resolve=True))
+    fn_cfg = OmegaConf.to_container(cfg.decoding.fn, resolve=True)
+    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
     log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
     images, stats = generate_images(unique, backbone, decode_fn, cache_dir, cfg.batch_size, desc=f"{name}")
     by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
@@ -74,6 +74,16 @@ def run(cfg: DictConfig) -> dict[str, float]:
     _log(cfg, metrics, grid, rows)
     print(format_table(metrics))
     return metrics
+
+
+def _weights_ids(node) -> list[str]:
+    """Weights identities of every exported model a decoding config loads (drafters): part of the cache key."""
+    from specgen.backbones.loading import weights_id
+
+    if isinstance(node, dict):
+        here = [weights_id(node["dirpath"])] if "dirpath" in node else []
+        return here + [i for v in node.values() for i in _weights_ids(v)]
+    return []
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
