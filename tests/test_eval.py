@@ -75,3 +75,38 @@ def test_official_metadata_parses_and_bad_files_name_the_line(tmp_path):
         read_metadata(bad)
     with pytest.raises(FileNotFoundError, match="evaluation_metadata.jsonl"):
         read_metadata(tmp_path / "missing.jsonl")
+
+
+def test_other_strategies_run_through_the_same_entry_point(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    cfg = _eval_cfg(tmp_path, tiny_exports, ["decoding=zipar", "benchmark.geneval.prompts_per_task=1"])
+    metrics = run_eval(cfg)
+    assert "zipar/geneval/overall" in metrics
+    assert metrics["zipar/speed/nfe"] < 256  # rows in parallel: fewer target passes than tokens
+
+
+def test_unknown_strategy_lists_the_known_ones(tmp_path):
+    from hydra.errors import MissingConfigException
+
+    from specgen.decoding import get
+
+    with pytest.raises(MissingConfigException, match=r"(?s)decoding/warp.*ssd"):
+        compose_cfg("eval", ["decoding=warp"], tmp_path)
+    with pytest.raises(ValueError, match="unknown decoding strategy 'warp': known strategies are ar, ssd"):
+        get("warp")
+
+
+def test_collect_turns_a_sweep_folder_into_one_table(tmp_path):
+    from specgen.evaluation.collect import collect, format_rows
+
+    for job, scale, score in (("0", "1.0", 0.5), ("1", "3.0", 0.75)):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- decoding.fn.cfg_scale={scale}\n- seed=0\n")
+        (tmp_path / job / "metrics.json").write_text(json.dumps({"ar/geneval/overall": score, "ar/speed/nfe": 256}))
+    rows = collect(tmp_path, "geneval")
+    assert [(r["decoding.fn.cfg_scale"], r["geneval/overall"]) for r in rows] == [("1.0", 0.5), ("3.0", 0.75)]
+    table = format_rows(rows)
+    assert "seed" not in table and "speed/nfe" not in table and "0.7500" in table
+    with pytest.raises(FileNotFoundError, match="no metrics.json"):
+        collect(tmp_path / "empty")

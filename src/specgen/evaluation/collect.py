@@ -36,8 +36,12 @@ def collect(root: str | Path, pattern: str = "") -> list[dict]:
     return rows
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], drop_constant: bool = True) -> str:
+    """Aligned text table; overrides shared by every job are left out (they say nothing)."""
     cols = list(dict.fromkeys(k for r in rows for k in r))
+    if drop_constant and len(rows) > 1:
+        cols = [c for c in cols if c in ("job", "decoding") or "/" in c
+                or len({str(r.get(c)) for r in rows}) > 1]
     cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
