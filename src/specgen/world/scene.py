@@ -82,7 +82,8 @@ def place(specs: Sequence[dict], rng: random.Random, canvas: int = 64,
             half = SIZES[spec["size"]] / 2 + 1.0 / canvas
             lo_x, lo_y, hi_x, hi_y = half, half, 1 - half, 1 - half
             if regions is not None and regions[i] is not None:
-                rx0, ry0, rx1, ry1 = regions[i]
+                # one pixel inside the region: pixel rounding of the box must not move the centre out
+                rx0, ry0, rx1, ry1 = (v + d / canvas for v, d in zip(regions[i], (1, 1, -1, -1)))
                 lo_x, lo_y, hi_x, hi_y = max(lo_x, rx0), max(lo_y, ry0), min(hi_x, rx1), min(hi_y, ry1)
                 if lo_x > hi_x or lo_y > hi_y:
                     break
