@@ -1,5 +1,7 @@
 """The eval entry point: metrics.json keys, image cache reuse and resume, GenEval rules."""
 import json
+
+import numpy as np
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,23 @@ def test_collect_turns_a_sweep_folder_into_one_table(tmp_path):
     assert "seed" not in table and "speed/nfe" not in table and "0.7500" in table
     with pytest.raises(FileNotFoundError, match="no metrics.json"):
         collect(tmp_path / "empty")
+
+
+def test_official_layout_round_trip(tmp_path):
+    import random
+
+    from specgen.evaluation.geneval import read_official_layout, score_folder, write_official_layout
+    from specgen.world import prompts, render, scene_for
+
+    rng = random.Random(0)
+    items = []
+    for tag in TASKS:
+        meta = prompts(tag, "test")[0]
+        items.append((meta, [render(scene_for(meta, rng)) for _ in range(2)]))
+    write_official_layout(tmp_path, items)
+    assert (tmp_path / "00000" / "samples" / "0001.png").is_file()
+    assert json.loads((tmp_path / "00003" / "metadata.jsonl").read_text()) == items[3][0]
+    back = read_official_layout(tmp_path)
+    assert [m for m, _ in back] == [m for m, _ in items]
+    assert all(np.array_equal(a, b) for (_, x), (_, y) in zip(items, back) for a, b in zip(x, y))
+    assert score_folder(tmp_path)["overall"] == 1.0  # rendered scenes satisfy their prompts

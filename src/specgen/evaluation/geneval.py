@@ -125,3 +125,45 @@ def read_metadata(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{lineno}: GenEval metadata lacks {missing}; expected keys tag, include, prompt")
         out.append(meta)
     return out
+
+
+def write_official_layout(root: str | Path, items: list[tuple[dict, list[np.ndarray]]]) -> Path:
+    """Write images in the official evaluator's layout: <root>/<NNNNN>/metadata.jsonl (one JSON object)
+    and <root>/<NNNNN>/samples/<NNNN>.png, one folder per prompt in the given order."""
+    from PIL import Image
+
+    from specgen.utils.checkpoints import atomic_write_text
+
+    root = Path(root)
+    for i, (meta, images) in enumerate(items):
+        folder = root / f"{i:05d}"
+        (folder / "samples").mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / "metadata.jsonl", json.dumps(meta) + "\n")
+        for k, img in enumerate(images):
+            Image.fromarray(np.asarray(img, dtype=np.uint8)).save(folder / "samples" / f"{k:04d}.png")
+    return root
+
+
+def read_official_layout(root: str | Path) -> list[tuple[dict, list[np.ndarray]]]:
+    """Read a folder in the official layout back (only .png samples, as the official evaluator does)."""
+    from PIL import Image
+
+    root = Path(root)
+    out = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit()):
+        meta_file = folder / "metadata.jsonl"
+        try:
+            meta = json.loads(meta_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{meta_file}: expected one JSON object with the prompt's metadata ({e})") from e
+        images = [np.asarray(Image.open(p).convert("RGB")) for p in sorted((folder / "samples").glob("*.png"))]
+        out.append((meta, images))
+    return out
+
+
+def score_folder(root: str | Path, detector: Detector | None = None, th: Thresholds = Thresholds()) -> dict[str, float]:
+    """GenEval scores of a folder in the official layout, with the given detector (default: the shapes parser)."""
+    detector = detector or ShapesDetector()
+    rows = [{"tag": meta["tag"], "correct": evaluate(detector.detect(img), meta, th)[0]}
+            for meta, images in read_official_layout(root) for img in images]
+    return summarize(rows)
