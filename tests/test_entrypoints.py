@@ -21,6 +21,10 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
               "module.val_geneval.prompts_per_task=1", "module.val_geneval.samples=1"]
+    elif exp in ("fphi_shapes", "mtp_shapes"):  # drafters distilled from the tiny exported backbone
+        o = [f"experiment={exp}", f"data.backbone_dir={exports / 'ar'}", f"data.tokenizer_dir={exports / 'vq'}",
+             "data.shard_size=4", "data.sample_batch=4", "data.train_shards=1", "data.batch_size=2",
+             "drafter.hidden_size=64", "num_threads=1"]
     else:
         o += ["data.val_size=8"]
     return o
@@ -46,8 +50,10 @@ def test_every_config_group_option_composes(tmp_path):
         compose_cfg("train", [f"trainer={trainer}"], tmp_path)
 
 
-@pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("ar_shapes_train", ["backbone.eol=true"]),
-                                       ("ar_shapes_train", ["backbone.eol=false"])])
+@pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
+                                       ("ar_shapes_train", ["backbone.eol=true"]),
+                                       ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
+                                       ("mtp_shapes", [])])
 def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
     """Every LightningModule trains and validates one batch (both row layouts of the backbone)."""
     from specgen.train import train

@@ -1,0 +1,109 @@
+"""FID / IS / KID / precision-recall through torch-fidelity.
+
+Embedded default: `ShapesFeatureNet` (trained by this repo) registered with torch-fidelity as the
+feature extractor `specgen-shapes`; Inception v3 when the user gives a local weights file (the
+hub download does not work offline). Reference statistics are cached under a name made from a
+content hash of the reference images, so a changed reference set can never reuse stale stats.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch_fidelity
+from torch.utils.data import Dataset
+from torch_fidelity.feature_extractor_base import FeatureExtractorBase
+
+EXTRACTOR = "specgen-shapes"
+
+
+class _ShapesExtractor(FeatureExtractorBase):
+    """torch-fidelity wrapper of an exported ShapesFeatureNet folder (given as the weights path)."""
+
+    def __init__(self, name, features_list, feature_extractor_weights_path=None, **kwargs):
+        super().__init__(name, features_list)
+        from specgen.utils.checkpoints import load_exported
+
+        if feature_extractor_weights_path is None:
+            raise ValueError("the specgen-shapes extractor needs feature_extractor_weights_path=<exported folder>")
+        self.net = load_exported(feature_extractor_weights_path).float().eval()
+
+    def forward(self, x):
+        feats, logits, _ = self.net(x)
+        out = {"features": feats, "logits_unbiased": logits}
+        return tuple(out[f].float() for f in self.features_list)
+
+    @staticmethod
+    def get_provided_features_list():
+        return "features", "logits_unbiased"
+
+    @staticmethod
+    def get_default_feature_layer_for_metric(metric):
+        return {"isc": "logits_unbiased", "fid": "features", "kid": "features", "prc": "features"}[metric]
+
+    @staticmethod
+    def can_be_compiled():
+        return False
+
+    @staticmethod
+    def get_dummy_input_for_compile():
+        return torch.zeros(1, 3, 64, 64, dtype=torch.uint8)
+
+
+def _register() -> None:
+    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
+
+    if EXTRACTOR not in FEATURE_EXTRACTORS_REGISTRY:  # the registry is global: register once per process
+        torch_fidelity.register_feature_extractor(EXTRACTOR, _ShapesExtractor)
+
+
+class Images(Dataset):
+    """uint8 (H, W, 3) arrays as the uint8 3xHxW tensors torch-fidelity expects."""
+
+    def __init__(self, images: list[np.ndarray]):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return torch.from_numpy(np.ascontiguousarray(self.images[i])).permute(2, 0, 1).contiguous()
+
+
+def content_hash(images: list[np.ndarray]) -> str:
+    h = hashlib.sha1()
+    for img in images:
+        h.update(np.ascontiguousarray(img, dtype=np.uint8).tobytes())
+    return h.hexdigest()[:16]
+
+
+def fidelity(images: list[np.ndarray], reference: list[np.ndarray], extractor_dir: str | None = None,
+             inception_weights: str | None = None, cache_dir: str | None = None, kid_subset_size: int = 100,
+             prc: bool = True) -> dict[str, float]:
+    """FID, IS (mean/std), KID (mean/std) and, optionally, precision/recall of `images` against `reference`."""
+    if (extractor_dir is None) == (inception_weights is None):
+        raise ValueError("give exactly one of extractor_dir (the shapes feature net) or inception_weights "
+                         "(a local Inception v3 weights file)")
+    path = extractor_dir or inception_weights
+    if not Path(path).exists():
+        raise FileNotFoundError(f"feature extractor weights {path!r} not found: train the shapes feature net with "
+                                f"`python -m specgen.train experiment=featnet_shapes`, or give an existing file")
+    n = min(len(images), len(reference))
+    if n < 2:
+        raise ValueError(f"FID needs at least 2 images per set, got {len(images)} and {len(reference)}")
+    _register()
+    kwargs = dict(feature_extractor=EXTRACTOR if extractor_dir else "inception-v3-compat",
+                  feature_extractor_weights_path=path)
+    metrics = torch_fidelity.calculate_metrics(
+        input1=Images(images), input2=Images(reference), cuda=torch.cuda.is_available(), fid=True, isc=True,
+        kid=True, prc=prc, kid_subset_size=min(kid_subset_size, n), save_cpu_ram=True, verbose=False,
+        cache=cache_dir is not None, cache_root=cache_dir, input2_cache_name=f"ref-{content_hash(reference)}-"
+        f"{Path(path).name}" if cache_dir else None, samples_find_deep=False, **kwargs)
+    names = {"frechet_inception_distance": "fid", "inception_score_mean": "is_mean", "inception_score_std": "is_std",
+             "kernel_inception_distance_mean": "kid_mean", "kernel_inception_distance_std": "kid_std",
+             "precision": "precision", "recall": "recall"}
+    out = {names[k]: float(v) for k, v in metrics.items() if k in names}
+    out["num_images"] = float(len(images))
+    return out
