@@ -51,6 +51,7 @@ def test_every_config_group_option_composes(tmp_path):
 
 
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
+                                       ("clip_shapes", ["data.batch_size=4"]),
                                        ("ar_shapes_train", ["backbone.eol=true"]),
                                        ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
                                        ("mtp_shapes", [])])

@@ -132,3 +132,13 @@ def test_official_layout_round_trip(tmp_path):
     assert [m for m, _ in back] == [m for m, _ in items]
     assert all(np.array_equal(a, b) for (_, x), (_, y) in zip(items, back) for a, b in zip(x, y))
     assert score_folder(tmp_path)["overall"] == 1.0  # rendered scenes satisfy their prompts
+
+
+def test_clipscore_definitions():
+    import torch
+
+    from specgen.evaluation.clipscore import clip_score
+
+    s = clip_score(torch.tensor([0.5, -0.2, 0.1]))
+    assert s["clipscore_100cos"] == pytest.approx(100 * 0.4 / 3)
+    assert s["clipscore_hessel"] == pytest.approx(2.5 * 0.6 / 3)  # negatives clamp to 0 per sample
