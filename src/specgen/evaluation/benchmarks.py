@@ -77,3 +77,66 @@ class DPGBench:
             rows.append({"benchmark": self.name, "tag": "dense", "prompt": meta["prompt"], "seed": jobs[i].seed,
                          "correct": s, "reason": ""})
         return summarize(scores, cats, failed), rows
+
+
+def _mixed_prompts(split: str, n: int, seed: int) -> list[dict]:
+    """n prompts of a split drawn from the training mixture of tasks (dense prompts included)."""
+    import random
+
+    from specgen.world.prompts import DEFAULT_MIX, sample_prompt
+
+    rng = random.Random(seed)
+    return [sample_prompt(rng, rng.choices(list(DEFAULT_MIX), weights=list(DEFAULT_MIX.values()))[0], split)
+            for _ in range(n)]
+
+
+class CLIPScore:
+    """CLIPScore of generated images with their prompts (open_clip; both definitions reported)."""
+
+    name = "clipscore"
+
+    def __init__(self, checkpoint: str, model_name: str = "shapes-clip", split: str = "test", num_prompts: int = 64,
+                 seed: int = 1):
+        self.checkpoint, self.model_name = checkpoint, model_name
+        self.items = _mixed_prompts(split, num_prompts, seed)
+
+    def jobs(self, seed: int) -> list[Job]:
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
+
+    def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
+        from specgen.evaluation.clipscore import clip_score, cosines, load_clip
+
+        model, preprocess, tokenizer = load_clip(self.model_name, self.checkpoint)
+        cos = cosines(model, preprocess, tokenizer, list(images), [j.prompt for j in jobs])
+        rows = [{"benchmark": self.name, "tag": j.meta["tag"], "prompt": j.prompt, "seed": j.seed,
+                 "correct": float(c), "reason": "cosine"} for j, c in zip(jobs, cos)]
+        return {**clip_score(cos), "num_images": float(len(jobs))}, rows
+
+
+class Fidelity:
+    """FID / IS / KID / precision-recall of generated images against renders of fresh scenes for the
+    same prompts. FID is biased upwards on small samples: the sample size is reported with it."""
+
+    name = "fidelity"
+
+    def __init__(self, extractor_dir: str | None = None, inception_weights: str | None = None, split: str = "test",
+                 num_prompts: int = 256, cache_dir: str | None = None, seed: int = 2):
+        self.extractor_dir, self.inception_weights, self.cache_dir = extractor_dir, inception_weights, cache_dir
+        self.items = _mixed_prompts(split, num_prompts, seed)
+
+    def jobs(self, seed: int) -> list[Job]:
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
+
+    def reference(self) -> list:
+        import random
+
+        from specgen.world import render, scene_for
+
+        rng = random.Random(12345)
+        return [render(scene_for(m, rng)) for m in self.items]
+
+    def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
+        from specgen.evaluation.fidelity import fidelity
+
+        out = fidelity(list(images), self.reference(), self.extractor_dir, self.inception_weights, self.cache_dir)
+        return out, []
