@@ -45,7 +45,24 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def run_speed(cfg: DictConfig) -> dict[str, float]:
+    """Side-by-side speed of `cfg.strategies` (the first is the reference) -> metrics.json + table."""
+    from specgen.evaluation.benchmarks import _mixed_prompts
+    from specgen.evaluation.speed import compare
+
+    backbone = instantiate(cfg.generator)
+    strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
+    prompts = [m["prompt"] for m in _mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
+    metrics = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
+    atomic_write_text(Path(cfg.paths.output_dir) / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    _log(cfg, metrics, None, [])
+    print(format_table(metrics))
+    return metrics
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
+    if cfg.get("speed"):
+        return run_speed(cfg)
     out_dir = Path(cfg.paths.output_dir)
     backbone = instantiate(cfg.generator)
     name, decode_fn = cfg.decoding.name, instantiate(cfg.decoding.fn)
@@ -105,7 +122,7 @@ def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> 
         logger = instantiate(lg_cfg)
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         logger.log_metrics(metrics)
-        if hasattr(logger, "log_image"):
+        if hasattr(logger, "log_image") and grid is not None:
             logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
         if hasattr(logger, "log_table") and rows:
             logger.log_table("eval/results", columns=list(rows[0]), data=[list(r.values()) for r in rows])

@@ -1,0 +1,79 @@
+"""Speed of decoding strategies measured side by side: same backbone, prompts, seeds and process.
+
+For each batch size and strategy: one warm-up batch, then `repeats` timed passes over the prompts
+(device synchronised). Reports latency per image, throughput, target passes (NFE) per image,
+draft calls, and peak memory (CUDA allocator on GPU; the process's peak RSS, reset per measurement,
+on CPU), plus wall-clock and NFE ratios against the reference strategy (the first one listed).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specgen.decoding.sampling import make_generators
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:  # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM)
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return float(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: int = 1, seed: int = 0) -> dict:
+    """Latency/throughput/NFE/memory of one strategy at one batch size."""
+    device = backbone.device
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    ids = [backbone.prompt_ids(b) for b in batches]
+    decode_fn(backbone, ids[0], generators=make_generators(range(len(batches[0])), device))  # warm-up
+    _reset_peak(device)
+    wall, nfe, drafts, n = 0.0, [], [], 0
+    for r in range(repeats):
+        for b, x in enumerate(ids):
+            gens = make_generators([seed + 1000 * r + b * batch_size + i for i in range(x.shape[0])], device)
+            _sync(device)
+            t0 = time.perf_counter()
+            _, stats = decode_fn(backbone, x, generators=gens)
+            _sync(device)
+            wall += time.perf_counter() - t0
+            nfe.append(stats["nfe"])
+            drafts.append(stats.get("draft_calls", 0))
+            n += x.shape[0]
+    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)),
+            "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n)}
+
+
+def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[int], repeats: int = 1) -> dict:
+    """Flat metrics `<name>/speed/<key>_bs<B>` for every strategy, ratios against the first one."""
+    out: dict[str, float] = {}
+    ref = next(iter(strategies))
+    for bs in batch_sizes:
+        results = {name: measure(backbone, fn, prompts, bs, repeats) for name, fn in strategies.items()}
+        for name, res in results.items():
+            out.update({f"{name}/speed/{k}_bs{bs}": v for k, v in res.items()})
+            out[f"{name}/speed/wall_ratio_bs{bs}"] = results[ref]["latency_s"] / res["latency_s"]
+            out[f"{name}/speed/nfe_ratio_bs{bs}"] = results[ref]["nfe"] / res["nfe"]
+    return out
