@@ -142,3 +142,22 @@ def test_clipscore_definitions():
     s = clip_score(torch.tensor([0.5, -0.2, 0.1]))
     assert s["clipscore_100cos"] == pytest.approx(100 * 0.4 / 3)
     assert s["clipscore_hessel"] == pytest.approx(2.5 * 0.6 / 3)  # negatives clamp to 0 per sample
+
+
+def test_speed_comparison_reports_ratios_against_the_first_strategy():
+    import functools
+
+    import torch
+
+    from specgen.backbones.shapes_llama import ShapesLlama
+    from specgen.decoding import ar, zipar
+    from specgen.evaluation.speed import compare
+
+    torch.manual_seed(0)
+    m = ShapesLlama(num_codes=16, grid_size=4, preset="tiny").eval()
+    out = compare(m, {"ar": functools.partial(ar.generate, cfg_scale=2.0),
+                      "zipar": functools.partial(zipar.generate, cfg_scale=2.0, window=1)},
+                  ["a red circle", "two squares"], batch_sizes=[1, 2])
+    assert out["ar/speed/wall_ratio_bs1"] == 1.0 and out["ar/speed/nfe_bs2"] == 16
+    assert out["zipar/speed/nfe_ratio_bs2"] == pytest.approx(16 / out["zipar/speed/nfe_bs2"]) and out["zipar/speed/nfe_bs2"] < 16
+    assert out["zipar/speed/images_bs1"] == 2 and out["ar/speed/peak_mem_mb_bs1"] > 0
