@@ -27,6 +27,8 @@ def tiny_exports(tmp_path_factory):
               "preset": "tiny"}
     from hydra.utils import instantiate
 
+    fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs"}
     export(root / "vq", instantiate(vq_cfg), vq_cfg)
     export(root / "ar", instantiate(ar_cfg), ar_cfg)
+    export(root / "fphi", instantiate(fphi_cfg), fphi_cfg)
     return root

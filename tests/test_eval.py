@@ -88,6 +88,16 @@ def test_other_strategies_run_through_the_same_entry_point(tmp_path, tiny_export
     assert metrics["zipar/speed/nfe"] < 256  # rows in parallel: fewer target passes than tokens
 
 
+def test_ssd_through_the_entry_point_writes_an_acceptance_map(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    cfg = _eval_cfg(tmp_path, tiny_exports, ["decoding=ssd", f"decoding.fn.drafter.dirpath={tiny_exports / 'fphi'}"])
+    metrics = run_eval(cfg)
+    assert metrics["ssd/speed/nfe"] <= 16 * 3 + 1  # rows x (rounds + 1) + prefill
+    assert 0 <= metrics["ssd/speed/accept_rate"] <= 1
+    assert (Path(cfg.paths.output_dir) / "accept_map.png").is_file()
+
+
 def test_unknown_strategy_lists_the_known_ones(tmp_path):
     from hydra.errors import MissingConfigException
 

@@ -85,12 +85,33 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _write_csv(out_dir / "results.csv", rows)
+    maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
+    if maps:
+        acceptance_map_png(np.mean(maps, 0), out_dir / "accept_map.png", f"{name}: first-pass acceptance")
     grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
                       ncols=cfg.grid_cols)
     Image.fromarray(grid).save(out_dir / "grid.png")
     _log(cfg, metrics, grid, rows)
     print(format_table(metrics))
     return metrics
+
+
+def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
+    """Heat map of the per-position acceptance rate (H, W), written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3.6), dpi=120)
+    im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("column")
+    ax.set_ylabel("row")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _weights_ids(node) -> list[str]:
