@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -16,7 +17,7 @@ TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "override /module" in Path(CONFIG
 
 def _tiny_train(exp: str, exports: Path) -> list[str]:
     o = [f"experiment={exp}", "tokenizer.ch=16", "tokenizer.mults=[2,2]", "tokenizer.z_dim=8",
-         "tokenizer.num_codes=64", "data.batch_size=4", "num_threads=1"]
+         "data.batch_size=4", "num_threads=1"] + (["tokenizer.num_codes=64", "backbone.num_codes=64"] if exp != "kl_shapes" else [])
     if exp.startswith("ar"):
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
@@ -51,7 +52,7 @@ def test_every_config_group_option_composes(tmp_path):
 
 
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
-                                       ("clip_shapes", ["data.batch_size=4"]),
+                                       ("clip_shapes", ["data.batch_size=4"]), ("kl_shapes", []),
                                        ("ar_shapes_train", ["backbone.eol=true"]),
                                        ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
                                        ("mtp_shapes", [])])
@@ -94,3 +95,18 @@ def test_config_value_of_wrong_type_is_named(tmp_path):
 
     with pytest.raises((TypeError, InstantiationException), match=r"data.batch_size must be an integer, got 'abc'"):
         instantiate(cfg.data)
+
+
+def test_kl_tokenizer_export_records_the_measured_latent_scale(tmp_path, tiny_exports):
+    from specgen.train import train
+    from specgen.utils.checkpoints import load_exported
+
+    cfg = compose_cfg("train", _tiny_train("kl_shapes", tiny_exports) + [
+        "trainer.max_steps=2", "trainer.val_check_interval=2", "+trainer.limit_val_batches=2", "data.val_size=8",
+        "logger=none", "export_name=kl"], tmp_path)
+    train(cfg)
+    cfg_text = (tmp_path / "checkpoints" / "kl" / "config.yaml").read_text()
+    kl = load_exported(tmp_path / "checkpoints" / "kl")
+    assert kl.scale_factor != 1.0 and f"scale_factor: {kl.scale_factor}" in cfg_text
+    tokens = kl.encode(torch.zeros(2, 3, 64, 64, dtype=torch.uint8))
+    assert tokens.shape == (2, 16 * 16, 8) and kl.decode(tokens).shape == (2, 3, 64, 64)

@@ -5,6 +5,7 @@ import shlex
 import sys
 
 import lightning as L
+from omegaconf import DictConfig, OmegaConf
 
 from specgen.utils.checkpoints import export
 
@@ -22,7 +23,11 @@ class ExportModel(L.Callback):
         metrics["global_step"] = trainer.global_step
         command = _command()
         extra = pl_module.export_extra() if hasattr(pl_module, "export_extra") else None
-        export(self.dirpath, pl_module.net, self.net_cfg, metrics, command, extra)
+        net_cfg = OmegaConf.to_container(self.net_cfg, resolve=True) if isinstance(self.net_cfg, DictConfig) \
+            else dict(self.net_cfg)
+        if hasattr(pl_module.net, "export_config"):  # values measured in training, e.g. a latent scale
+            net_cfg.update(pl_module.net.export_config())
+        export(self.dirpath, pl_module.net, net_cfg, metrics, command, extra)
 
     def on_validation_end(self, trainer, pl_module):
         if self.every_validation:
