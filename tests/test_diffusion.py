@@ -22,13 +22,17 @@ def test_reverse_process_reproduces_gaussian_data(variance):
     for i in reversed(range(diff.sample_steps)):
         eps = optimal_eps(x, float(diff.s_ac[i]), m, s)
         mean, var = diff.step_mean_var(eps, x, i)
-        x = mean + math.sqrt(var) * torch.randn(x.shape, generator=g, dtype=torch.float64)
+        x = mean + var.sqrt() * torch.randn(x.shape, generator=g, dtype=torch.float64)
     assert stats.kstest(x.view(-1).numpy(), "norm", args=(m, s)).pvalue > 1e-3
 
 
 def test_denoiser_shapes_and_identity_start():
     net = DenoiserMLP(token_dim=4, cond_dim=8, width=32, depth=2)
     out = net(torch.randn(5, 4), torch.randint(0, 1000, (5,)), torch.randn(5, 8))
-    assert out.shape == (5, 4) and torch.all(out == 0)  # zero-initialised output layer
+    assert out.shape == (5, 8) and torch.all(out == 0)  # [eps, v]; zero-initialised output layer
+    diff = GaussianDiffusion(variance="learned_range")
+    mean, var = diff.step_mean_var(out, torch.randn(5, 4), 50)
+    beta, small = float(diff.s_betas[50]), float(diff.s_betas[50] * (1 - diff.s_ac_prev[50]) / (1 - diff.s_ac[50]))
+    assert torch.allclose(var, torch.full_like(var, math.sqrt(beta * small)))  # v = 0: the geometric mean
     with pytest.raises(ValueError, match="unknown variance type 'learned'"):
         GaussianDiffusion(variance="learned")

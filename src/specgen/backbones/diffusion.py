@@ -12,14 +12,22 @@ import math
 import torch
 import torch.nn as nn
 
-VARIANCES = ("fixed_small", "fixed_large")
+VARIANCES = ("fixed_small", "fixed_large", "learned_range")
 
 
-def _timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-    args = t.float()[:, None] * freqs[None]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal features of the timestep (256 frequencies) through a 2-layer MLP."""
+
+    def __init__(self, width: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, width), nn.SiLU(), nn.Linear(width, width))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.freq_dim // 2
+        freqs = torch.exp(-math.log(10000) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = t.float()[:, None] * freqs[None]
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
 
 
 class _ResBlock(nn.Module):
@@ -34,32 +42,46 @@ class _ResBlock(nn.Module):
         return x + gate * self.mlp(self.in_ln(x) * (1 + scale) + shift)
 
 
-class DenoiserMLP(nn.Module):
-    """epsilon(x_t, t, c): token (N, d), timestep (N,), condition (N, cond_dim) -> (N, d)."""
-
-    def __init__(self, token_dim: int, cond_dim: int, width: int = 128, depth: int = 3):
+class _FinalLayer(nn.Module):
+    def __init__(self, width: int, out_dim: int):
         super().__init__()
-        self.time_embed = nn.Sequential(nn.Linear(width, width), nn.SiLU(), nn.Linear(width, width))
+        self.norm_final = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(width, out_dim)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
+
+    def forward(self, x, c):
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(self.norm_final(x) * (1 + scale) + shift)
+
+
+class DenoiserMLP(nn.Module):
+    """epsilon (and, with `learn_sigma`, a variance interpolation v) from (x_t, t, c).
+
+    token (N, d), timestep (N,), condition (N, cond_dim) -> (N, d) or (N, 2d). Module names follow
+    MAR's release (`diffloss.net.*`) so that its weights load by name.
+    """
+
+    def __init__(self, token_dim: int, cond_dim: int, width: int = 128, depth: int = 3, learn_sigma: bool = True):
+        super().__init__()
+        self.token_dim, self.learn_sigma = token_dim, learn_sigma
+        self.time_embed = TimestepEmbedder(width)
         self.cond_embed = nn.Linear(cond_dim, width)
         self.input_proj = nn.Linear(token_dim, width)
         self.res_blocks = nn.ModuleList([_ResBlock(width) for _ in range(depth)])
-        self.final_norm = nn.LayerNorm(width, elementwise_affine=False, eps=1e-6)
-        self.final_adaLN = nn.Sequential(nn.SiLU(), nn.Linear(width, 2 * width))
-        self.final_linear = nn.Linear(width, token_dim)
-        self.width = width
+        self.final_layer = _FinalLayer(width, token_dim * (2 if learn_sigma else 1))
         for blk in self.res_blocks:  # adaLN-zero: every block starts as the identity
             nn.init.zeros_(blk.adaLN_modulation[-1].weight)
             nn.init.zeros_(blk.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_linear.weight)
-        nn.init.zeros_(self.final_linear.bias)
+        for m in (self.final_layer.adaLN_modulation[-1], self.final_layer.linear):
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
 
     def forward(self, x, t, c):
-        c = self.time_embed(_timestep_embedding(t, self.width)) + self.cond_embed(c)
+        y = self.time_embed(t) + self.cond_embed(c)
         h = self.input_proj(x)
         for blk in self.res_blocks:
-            h = blk(h, c)
-        shift, scale = self.final_adaLN(c).chunk(2, dim=-1)
-        return self.final_linear(self.final_norm(h) * (1 + scale) + shift)
+            h = blk(h, y)
+        return self.final_layer(h, y)
 
 
 class GaussianDiffusion:
@@ -92,11 +114,26 @@ class GaussianDiffusion:
         ac = self.alphas_cumprod.to(x0.device, torch.float32)[t][:, None]
         return ac.sqrt() * x0 + (1 - ac).sqrt() * noise
 
-    def step_mean_var(self, eps: torch.Tensor, x_t: torch.Tensor, i: int) -> tuple[torch.Tensor, float]:
-        """Mean and (scalar) variance of p(x_{i-1} | x_i) for sampling step index i (0-based, i = K-1 first)."""
+    def step_mean_var(self, out: torch.Tensor, x_t: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and variance (both like x_t) of p(x_{i-1} | x_i) for sampling step index i (i = K-1 first).
+
+        `out` is the denoiser output: epsilon, or [epsilon, v] for 'learned_range' (the log-variance
+        interpolates between the posterior variance and beta by (v + 1) / 2, as in improved DDPM).
+        The last step (i = 0) has variance 0: the sample is its mean.
+        """
         ac, ac_prev, beta = (float(v[i]) for v in (self.s_ac, self.s_ac_prev, self.s_betas))
-        x0 = (x_t - math.sqrt(1 - ac) * eps) / math.sqrt(ac)
-        x0 = x0.clamp(-10, 10)  # latent tokens are O(1); guards the first, noisiest steps
+        d = x_t.shape[-1]
+        eps = out[..., :d]
+        x0 = ((x_t - math.sqrt(1 - ac) * eps) / math.sqrt(ac)).clamp(-10, 10)  # guards the noisiest steps
         mean = (math.sqrt(ac_prev) * beta / (1 - ac)) * x0 + (math.sqrt(1 - beta) * (1 - ac_prev) / (1 - ac)) * x_t
-        var = beta * (1 - ac_prev) / (1 - ac) if self.variance == "fixed_small" else beta
-        return mean, max(var, 1e-20) if i > 0 else 0.0  # the last step is deterministic
+        small = beta * (1 - ac_prev) / (1 - ac)
+        if i == 0:
+            var = torch.zeros_like(x_t)
+        elif self.variance == "learned_range":
+            if out.shape[-1] != 2 * d:
+                raise ValueError("variance 'learned_range' needs a denoiser with learn_sigma=True (2d outputs)")
+            frac = (out[..., d:] + 1) / 2
+            var = torch.exp(frac * math.log(beta) + (1 - frac) * math.log(max(small, 1e-20)))
+        else:
+            var = torch.full_like(x_t, small if self.variance == "fixed_small" else beta)
+        return mean, var
