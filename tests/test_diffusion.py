@@ -36,3 +36,36 @@ def test_denoiser_shapes_and_identity_start():
     assert torch.allclose(var, torch.full_like(var, math.sqrt(beta * small)))  # v = 0: the geometric mean
     with pytest.raises(ValueError, match="unknown variance type 'learned'"):
         GaussianDiffusion(variance="learned")
+
+
+def test_mar_backbone_trains_one_step_and_returns_conditions():
+    from specgen.backbones.mar import ShapesMAR
+
+    torch.manual_seed(0)
+    mar = ShapesMAR(grid_size=4, token_dim=3, preset="tiny", sample_steps=10)
+    cond = mar.condition(["a red circle", "two squares"])
+    assert cond.shape == (2, mar.buffer_size, 64)
+    tokens = torch.randn(2, 16, 3)
+    loss = mar(tokens, cond)
+    loss.backward()
+    assert torch.isfinite(loss) and mar.z_proj.weight.grad is not None
+    mask = torch.zeros(2, 16)
+    mask[:, 5:] = 1
+    z = mar.conditions(tokens, mask, cond)
+    assert z.shape == (2, 16, 64)
+    # known tokens condition the unknown ones: changing a known token changes the conditions
+    t2 = tokens.clone()
+    t2[:, 0] += 1
+    assert not torch.allclose(mar.conditions(t2, mask, cond)[:, 10], z[:, 10])
+    with pytest.raises(ValueError, match="same number of known tokens"):
+        mar.conditions(tokens, torch.stack([mask[0], torch.ones(16)]), cond)
+
+
+def test_vlb_term_vanishes_for_the_true_posterior():
+    diff = GaussianDiffusion()
+    x0, noise = torch.randn(6, 4), torch.randn(6, 4)
+    t = torch.tensor([1, 10, 100, 500, 900, 999])
+    x_t = diff.q_sample(x0, t, noise)
+    exact = diff.vlb_term(noise, -torch.ones(6, 4), x0, x_t, t)  # true eps, v = -1: the posterior variance
+    assert torch.allclose(exact, torch.zeros(6), atol=1e-5)
+    assert (diff.vlb_term(noise + 0.5, torch.zeros(6, 4), x0, x_t, t) > 0).all()

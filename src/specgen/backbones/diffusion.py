@@ -102,6 +102,7 @@ class GaussianDiffusion:
             betas = torch.linspace(1e-4, 0.02, train_steps, dtype=torch.float64)
         else:
             raise ValueError(f"unknown schedule {schedule!r}: expected 'cosine' or 'linear'")
+        self.betas = betas
         self.alphas_cumprod = torch.cumprod(1 - betas, 0)  # (T,)
         # respaced sampling: timesteps kept, and the betas that chain their cumulative products
         self.timesteps = torch.linspace(0, train_steps - 1, sample_steps).round().long()  # ascending
@@ -109,6 +110,30 @@ class GaussianDiffusion:
         prev = torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]])
         self.s_betas = 1 - ac / prev
         self.s_ac, self.s_ac_prev = ac, prev
+
+    def vlb_term(self, eps: torch.Tensor, v: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
+                 t: torch.Tensor) -> torch.Tensor:
+        """KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) per token in bits, training only the variance
+        (eps is detached by the caller), as improved DDPM's hybrid loss; the posterior variance is
+        clipped at t = 0, where the KL stands in for the decoder likelihood (latents are continuous)."""
+        dev = x0.device
+        ac = self.alphas_cumprod.to(dev)[t][:, None]
+        ac_prev = torch.cat([torch.ones(1, dtype=torch.float64), self.alphas_cumprod[:-1]]).to(dev)[t][:, None]
+        beta = self.betas.to(dev)[t][:, None]
+        post_var = beta * (1 - ac_prev) / (1 - ac)
+        post_var_clipped = torch.where(t[:, None] == 0, self.betas[1] * (1 - self.alphas_cumprod[0])
+                                       / (1 - self.alphas_cumprod[1]), post_var).to(dev)
+        c1, c2 = ac_prev.sqrt() * beta / (1 - ac), (1 - beta).sqrt() * (1 - ac_prev) / (1 - ac)
+        x0f, xtf = x0.double(), x_t.double()
+        mean_q = c1 * x0f + c2 * xtf
+        x0_pred = (xtf - (1 - ac).sqrt() * eps.double()) / ac.sqrt()
+        mean_p = c1 * x0_pred + c2 * xtf
+        frac = (v.double() + 1) / 2
+        log_var_p = frac * beta.log() + (1 - frac) * post_var_clipped.log()
+        log_var_q = post_var_clipped.log()
+        kl = 0.5 * (-1.0 + log_var_p - log_var_q + (log_var_q - log_var_p).exp()
+                    + (mean_q - mean_p).pow(2) * (-log_var_p).exp())
+        return (kl.mean(-1) / math.log(2.0)).float()
 
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         ac = self.alphas_cumprod.to(x0.device, torch.float32)[t][:, None]

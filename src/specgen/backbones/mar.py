@@ -1,0 +1,163 @@
+"""MAR-style continuous backbone: a bidirectional MAE encoder/decoder (timm `Block`) over latent
+tokens in a random generation order, conditioned on the prompt (or a class), with a per-token
+diffusion head. Module names follow MAR's release so that its `model_ema` weights load by name.
+
+forward (training): patchify -> order -> mask (truncated-normal ratio, min 0.7) -> encode the
+visible tokens with the condition buffer -> decode with mask tokens -> diffusion loss on masked tokens.
+Sampling is `specgen.decoding.mar`'s job; this module exposes the pieces it needs: `condition`,
+`conditions` (one masked-AR step: per-token diffusion conditions) and the head (`denoise`).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn as nn
+from scipy import stats
+from timm.models.vision_transformer import Block
+
+from specgen.backbones.diffusion import DenoiserMLP, GaussianDiffusion
+
+PRESETS = {  # name -> (width, encoder depth, decoder depth, heads, head width, head depth)
+    "tiny": (64, 1, 1, 4, 64, 2),
+    "small": (192, 3, 3, 6, 192, 3),
+    "base": (256, 4, 4, 8, 256, 3),
+}
+
+
+class ShapesMAR(nn.Module):
+    def __init__(self, grid_size: int = 16, token_dim: int = 4, preset: str = "base", cond: str = "prompt",
+                 num_classes: int = 1000, buffer_size: int = 40, mlp_ratio: float = 4.0, mask_ratio_min: float = 0.7,
+                 label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
+                 sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
+                 proj_dropout: float = 0.0):
+        super().__init__()
+        if preset not in PRESETS:
+            raise ValueError(f"unknown MAR preset {preset!r}: expected one of {sorted(PRESETS)}")
+        if cond not in ("prompt", "class"):
+            raise ValueError(f"cond must be 'prompt' or 'class', got {cond!r}")
+        D, enc, dec, heads, hw, hd = PRESETS[preset]
+        self.grid_size, self.token_dim, self.seq_len = grid_size, token_dim, grid_size * grid_size
+        self.cond, self.buffer_size, self.label_drop_prob = cond, buffer_size, label_drop_prob
+        self.diffusion_batch_mul = diffusion_batch_mul
+        self.mask_ratio_generator = stats.truncnorm((mask_ratio_min - 1.0) / 0.25, 0, loc=1.0, scale=0.25)
+        if cond == "prompt":
+            from specgen.world.prompts import WORDS
+
+            self.words = {w: i + 1 for i, w in enumerate(WORDS)}  # 0 = padding
+            self.class_emb = nn.Embedding(len(WORDS) + 1, D)  # prompt words fill the buffer, one per slot
+        else:
+            self.class_emb = nn.Embedding(num_classes, D)  # MAR: one class embedding in every buffer slot
+        self.fake_latent = nn.Parameter(torch.zeros(1, D))  # the unconditional condition (CFG)
+        norm = partial(nn.LayerNorm, eps=1e-6)
+        self.z_proj = nn.Linear(token_dim, D)
+        self.z_proj_ln = nn.LayerNorm(D, eps=1e-6)
+        self.encoder_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len + buffer_size, D))
+        self.encoder_blocks = nn.ModuleList([Block(D, heads, mlp_ratio, qkv_bias=True, norm_layer=norm,
+                                                   proj_drop=proj_dropout, attn_drop=attn_dropout) for _ in range(enc)])
+        self.encoder_norm = norm(D)
+        self.decoder_embed = nn.Linear(D, D)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, D))
+        self.decoder_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len + buffer_size, D))
+        self.decoder_blocks = nn.ModuleList([Block(D, heads, mlp_ratio, qkv_bias=True, norm_layer=norm,
+                                                   proj_drop=proj_dropout, attn_drop=attn_dropout) for _ in range(dec)])
+        self.decoder_norm = norm(D)
+        self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, D))
+        self._init_weights()
+        self.diffloss = nn.Module()
+        self.diffloss.net = DenoiserMLP(token_dim, D, hw, hd, learn_sigma=variance == "learned_range")
+        self.diffusion = GaussianDiffusion(train_steps, sample_steps, "cosine", variance)
+
+    def _init_weights(self):
+        for p in (self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,
+                  self.decoder_pos_embed_learned, self.diffusion_pos_embed_learned):
+            nn.init.normal_(p, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    # ---- conditions ----------------------------------------------------------------------------
+    def condition(self, prompts: list[str] | torch.Tensor) -> torch.Tensor:
+        """Buffer embeddings (B, buffer, D): prompt words left-padded into the slots, or a class label."""
+        if self.cond == "class":
+            return self.class_emb(torch.as_tensor(prompts, device=self.fake_latent.device))[:, None].expand(
+                -1, self.buffer_size, -1)
+        from specgen.world.prompts import tokenize_words
+
+        ids = torch.zeros(len(prompts), self.buffer_size, dtype=torch.long, device=self.fake_latent.device)
+        for b, text in enumerate(prompts):
+            w = [self.words[x] for x in tokenize_words(text)]
+            if len(w) > self.buffer_size:
+                raise ValueError(f"prompt {text!r} has {len(w)} words, more than buffer_size={self.buffer_size}")
+            if w:
+                ids[b, self.buffer_size - len(w):] = torch.tensor(w)
+        return self.class_emb(ids)
+
+    def null_condition(self, batch: int) -> torch.Tensor:
+        return self.fake_latent[None].expand(batch, self.buffer_size, -1)
+
+    # ---- one masked step: per-token conditions -------------------------------------------------
+    def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D)."""
+        B, L, _ = tokens.shape
+        x = torch.cat([cond, self.z_proj(tokens)], dim=1) + self.encoder_pos_embed_learned  # (B, buffer+L, D)
+        x = self.z_proj_ln(x)
+        keep = torch.cat([torch.ones(B, self.buffer_size, device=x.device, dtype=torch.bool), mask < 0.5], dim=1)
+        counts = keep.sum(1)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError("every row of a batch must have the same number of known tokens (MAR drops them)")
+        x = x[keep].view(B, int(counts[0]), -1)  # the encoder sees the buffer and the known tokens only
+        for blk in self.encoder_blocks:
+            x = blk(x)
+        x = self.decoder_embed(self.encoder_norm(x))
+        full = self.mask_token.expand(B, self.buffer_size + L, -1).clone()
+        full[keep] = x.reshape(-1, x.shape[-1])
+        x = full + self.decoder_pos_embed_learned
+        for blk in self.decoder_blocks:
+            x = blk(x)
+        return self.decoder_norm(x)[:, self.buffer_size:] + self.diffusion_pos_embed_learned
+
+    def denoise(self, x_t: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The diffusion head: (N, d), (N,), (N, D) -> epsilon [and v] (N, d or 2d)."""
+        return self.diffloss.net(x_t, t, z)
+
+    # ---- training --------------------------------------------------------------------------------
+    def random_mask(self, B: int, device) -> torch.Tensor:
+        """(B, L) masks of a random order each, one shared mask ratio drawn from MAR's truncated normal."""
+        rate = float(self.mask_ratio_generator.rvs(1)[0])
+        n = int(np.ceil(self.seq_len * rate))
+        order = torch.argsort(torch.rand(B, self.seq_len, device=device), dim=1)
+        mask = torch.zeros(B, self.seq_len, device=device)
+        return mask.scatter(1, order[:, :n], 1.0)
+
+    def forward(self, tokens: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Diffusion loss on masked tokens: tokens (B, L, d), cond (B, buffer, D) -> scalar."""
+        B = tokens.shape[0]
+        if self.training and self.label_drop_prob > 0:
+            drop = (torch.rand(B, 1, 1, device=tokens.device) < self.label_drop_prob).to(cond.dtype)
+            cond = drop * self.null_condition(B) + (1 - drop) * cond
+        mask = self.random_mask(B, tokens.device)
+        z = self.conditions(tokens, mask, cond)
+        m = self.diffusion_batch_mul
+        target = tokens.reshape(B * self.seq_len, -1).repeat(m, 1)
+        z = z.reshape(B * self.seq_len, -1).repeat(m, 1)
+        w = mask.reshape(-1).repeat(m)
+        loss = self.diffusion_loss(target, z)
+        return (loss * w).sum() / w.sum()
+
+    def diffusion_loss(self, x0: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Per-token epsilon MSE, plus the variational bound on the learned variance (mean detached)."""
+        diff = self.diffusion
+        t = torch.randint(0, diff.train_steps, (x0.shape[0],), device=x0.device)
+        noise = torch.randn_like(x0)
+        x_t = diff.q_sample(x0, t, noise)
+        out = self.denoise(x_t, t, z)
+        d = x0.shape[-1]
+        loss = (out[:, :d] - noise).pow(2).mean(-1)
+        if out.shape[-1] == 2 * d:
+            loss = loss + diff.vlb_term(out[:, :d].detach(), out[:, d:], x0, x_t, t)
+        return loss
