@@ -85,3 +85,39 @@ def test_mar_sampling_is_reproducible_per_image_and_follows_the_schedule():
     b, _ = mar.generate(m, ["two squares"], make_generators([2]), num_iter=4)
     assert a.shape == (2, 16, 3) and st["nfe"] == 4
     assert torch.allclose(a[1], b[0], atol=1e-5)  # an image does not depend on its batch
+
+
+def test_cspd_prefill_one_is_target_only_and_draft_equal_target_accepts_all():
+    from specgen.decoding import cspd, mar
+    from specgen.decoding.sampling import make_generators
+
+    m, d = _tiny_mar(0), _tiny_mar(1)
+    prompts = ["a red circle", "two squares"]
+    ref, _ = mar.generate(m, prompts, make_generators([3, 4]), num_iter=4)
+    out, st = cspd.generate(m, prompts, make_generators([3, 4]), d, num_iter=4, prefill_ratio=1.0)
+    assert torch.allclose(out, ref) and st["drafted"] == 0
+    for ratio in ("exact", "aligned"):
+        same, st = cspd.generate(m, prompts, make_generators([3, 4]), m, num_iter=4, gamma=2, ratio=ratio,
+                                 prefill_ratio=0.0)
+        assert st["accept_rate"] == 1.0 and st["drafted"] > 0
+    for acceptance in ("per_token", "prefix"):
+        out, st = cspd.generate(m, prompts, make_generators([3, 4]), d, num_iter=4, gamma=2, acceptance=acceptance,
+                                ratio="exact", max_proposals=4)
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        assert st["target_calls"] < 4 + st["draft_calls"]  # one target pass per drafted block
+
+
+def test_cspd_bad_inputs():
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.decoding import cspd
+    from specgen.decoding.sampling import make_generators
+
+    m = _tiny_mar()
+    g = make_generators([0])
+    with pytest.raises(ValueError, match=r"prefill_ratio must lie in \[0.0, 1.0\], got 1.5"):
+        cspd.generate(m, ["a circle"], g, m, prefill_ratio=1.5)
+    with pytest.raises(ValueError, match="gamma must be >= 1, got 0"):
+        cspd.generate(m, ["a circle"], g, m, gamma=0)
+    other = ShapesMAR(grid_size=4, token_dim=5, preset="tiny", sample_steps=5)
+    with pytest.raises(ValueError, match=r"draft latents \(16 tokens of dim 5\) differ"):
+        cspd.generate(m, ["a circle"], g, other)

@@ -108,23 +108,26 @@ def accept(logr: torch.Tensor, u: torch.Tensor, density_temperature: float = 1.0
 
 
 def residual_sample(target_step: StepFn, draft_step: StepFn, shape: tuple[int, int], steps: int,
-                    generator: torch.Generator | None = None, max_proposals: int = 16,
-                    device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    generator: torch.Generator | None = None, max_proposals: int = 16, device="cpu",
+                    rand=None, randn=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw from norm(max(0, p - q)) by acceptance-rejection with proposals from p.
 
+    `rand`/`randn` (shape -> tensor) replace the generator when each row needs its own stream.
     Returns (tokens (N, d), proposals used (N,), fell back (N,) bool)."""
     N, d = shape
+    rand = rand or (lambda sh: torch.rand(sh, generator=generator, device=device))
+    randn = randn or (lambda sh: torch.randn(sh, generator=generator, device=device))
     out = torch.zeros(shape, device=device)
     used = torch.zeros(N, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
     for _ in range(max_proposals):
-        x_init = torch.randn(shape, generator=generator, device=device)
-        noises = [torch.randn(shape, generator=generator, device=device) for _ in range(steps)]
+        x_init = randn(shape)
+        noises = [randn(shape) for _ in range(steps)]
         prop = run_chain(target_step, x_init, noises)
         logp = chain_logprob(prop.states, prop.means, prop.vars)
         qm, qv = evaluate_on(draft_step, prop.states)
         logq = chain_logprob(prop.states, qm, qv)
-        u = torch.rand(N, generator=generator, device=device)
+        u = rand((N,))
         ok = (u < (1 - torch.exp(logq - logp)).clamp_min(0)) & ~done
         out[ok] = prop.sample[ok]
         used += (~done).long()

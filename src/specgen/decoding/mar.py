@@ -70,34 +70,62 @@ def model_conditions(model, tokens, mask, cond, null, scale):
     return z.chunk(2)
 
 
+class MARState:
+    """Tokens, known set, order and per-token noise of a batched masked-AR generation."""
+
+    def __init__(self, model, prompts: list[str], generators, cfg_scale: float):
+        m, B = model, len(prompts)
+        self.dev = m.fake_latent.device
+        self.L, self.K, self.d = m.seq_len, m.diffusion.sample_steps, m.token_dim
+        self.generators = generators
+        self.noise = token_noise(generators, self.L, self.K, self.d, self.dev)  # (B, L, K + 1, d)
+        order = orders(generators, self.L, self.dev)
+        self.rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.L, device=self.dev).expand(B, -1))
+        self.tokens = torch.zeros(B, self.L, self.d, device=self.dev)
+        self.known = 0  # every image knows the tokens of rank < known
+
+    @property
+    def known_mask(self) -> torch.Tensor:
+        return self.rank < self.known
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index of the tokens with rank in [lo, hi), ordered by (image, position)."""
+        return ((self.rank >= lo) & (self.rank < hi)).nonzero(as_tuple=True)
+
+
+def conditioning(model, prompts: list[str], cfg_scale: float):
+    return model.condition(prompts), (model.null_condition(len(prompts)) if cfg_scale != 1.0 else None)
+
+
+def mar_step(model, st: MARState, cond, null, target_known: int, cfg_scale: float, cfg_schedule: str,
+             temperature: float, tokens: torch.Tensor | None = None, known: int | None = None):
+    """One masked-AR step of `model`: sample the tokens of rank [known, target_known) into `tokens`.
+
+    Returns (index of the new tokens, their chain, their conditions (z_cond, z_uncond, scale))."""
+    from specgen.decoding.cspd_core import run_chain, tempered
+
+    tokens = st.tokens if tokens is None else tokens
+    known = st.known if known is None else known
+    scale = cfg_at(cfg_scale, cfg_schedule, known, st.L)
+    zc, zu = model_conditions(model, tokens, (st.rank >= known).float(), cond, null, scale)
+    idx = st.span(known, target_known)
+    z = (zc[idx], None if zu is None else zu[idx], scale)
+    step = tempered(head_step_fn(model, *z), temperature)
+    nz = st.noise[idx]  # (N, K + 1, d): the tokens' own noise
+    chain = run_chain(step, nz[:, 0], [nz[:, k + 1] for k in range(st.K)])
+    tokens[idx] = chain.sample
+    return idx, chain, z
+
+
 @torch.no_grad()
 def generate(backbone, prompts: list[str], generators, num_iter: int = 16, cfg_scale: float = 3.0,
              cfg_schedule: str = "linear", temperature: float = 1.0):
     """Target-only MAR sampling: tokens (B, L, d) and stats."""
-    from specgen.decoding.cspd_core import run_chain, tempered
-
     expect_int("num_iter", num_iter, 1)
     expect_float("temperature", temperature, 0.0)
-    m, B = backbone, len(prompts)
-    dev = m.fake_latent.device
-    L, K, d = m.seq_len, m.diffusion.sample_steps, m.token_dim
-    noise = token_noise(generators, L, K, d, dev)
-    order = orders(generators, L, dev)
-    cond, null = m.condition(prompts), (m.null_condition(B) if cfg_scale != 1.0 else None)
-    tokens = torch.zeros(B, L, d, device=dev)
-    known_mask = torch.zeros(B, L, dtype=torch.bool, device=dev)
-    known, calls = 0, 0
-    for target_known in schedule(L, num_iter):
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=dev).expand(B, -1))
-        new = (rank >= known) & (rank < target_known)  # (B, L) tokens of this step
-        scale = cfg_at(cfg_scale, cfg_schedule, known, L)
-        zc, zu = model_conditions(m, tokens, (~known_mask).float(), cond, null, scale)
-        calls += 1
-        idx = new.nonzero(as_tuple=True)
-        step = tempered(head_step_fn(m, zc[idx], None if zu is None else zu[idx], scale), temperature)
-        nz = noise[idx]  # (N, K + 1, d)
-        chain = run_chain(step, nz[:, 0], [nz[:, k + 1] for k in range(K)])
-        tokens[idx] = chain.sample
-        known_mask |= new
-        known = target_known
-    return tokens, {"nfe": calls}
+    st = MARState(backbone, prompts, generators, cfg_scale)
+    cond, null = conditioning(backbone, prompts, cfg_scale)
+    for target_known in schedule(st.L, num_iter):
+        mar_step(backbone, st, cond, null, target_known, cfg_scale, cfg_schedule, temperature)
+        st.known = target_known
+    return st.tokens, {"nfe": num_iter}

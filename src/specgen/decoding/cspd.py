@@ -1,0 +1,118 @@
+"""Continuous speculative decoding (CSpD) for masked-AR backbones with diffusion heads.
+
+  prefill  the target generates MAR steps until `prefill_ratio` of the tokens are known;
+  draft    the draft model runs `gamma` MAR steps on its own, each token with its own noise;
+  verify   ONE target pass gives conditions for every drafted token given the known set before
+           drafting (as if the target generated those steps in one larger step: the approximation
+           of verifying a bidirectional model in one pass);
+  accept   per token by the trajectory density ratio (`cspd_core`), `acceptance`='per_token'
+           (every drafted token judged on its own) or 'prefix' (in generation order up to the first
+           rejection in the batch; later drafts are discarded, which keeps the batch in lockstep);
+  correct  a rejected token is redrawn from the residual by acceptance-rejection from the target.
+Both models use each token's own pre-drawn noise, so prefill_ratio = 1 is target-only sampling,
+token for token, and `align` controls whether the target's chain for the 'aligned' ratio shares it.
+"""
+from __future__ import annotations
+
+import torch
+
+from specgen.decoding.cspd_core import accept, log_ratio, residual_sample, tempered
+from specgen.decoding.mar import MARState, cfg_at, conditioning, head_step_fn, mar_step, model_conditions, schedule
+from specgen.utils.validate import expect_float, expect_int
+
+ACCEPTANCE = ("per_token", "prefix")
+
+
+def _check(target, draft, prefill_ratio: float, gamma: int, acceptance: str) -> None:
+    expect_float("prefill_ratio", prefill_ratio, 0.0, 1.0)
+    expect_int("gamma", gamma, 1)
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(f"unknown acceptance {acceptance!r}: expected one of {ACCEPTANCE}")
+    if (draft.token_dim, draft.seq_len) != (target.token_dim, target.seq_len):
+        raise ValueError(f"draft latents ({draft.seq_len} tokens of dim {draft.token_dim}) differ from the target's "
+                         f"({target.seq_len} of dim {target.token_dim}): train the draft on the target's tokenizer")
+
+
+def _rng(st: MARState, rows: torch.Tensor):
+    """rand/randn that draw each token's numbers from its own image's generator."""
+    rows = rows.tolist()
+
+    def draw(fn, shape):
+        if not rows:
+            return torch.zeros(shape, device=st.dev)
+        return torch.stack([fn(tuple(shape[1:]), generator=st.generators[b], device=st.dev) for b in rows])
+    return (lambda shape: draw(torch.rand, shape)), (lambda shape: draw(torch.randn, shape))
+
+
+def _sub(z, keep):
+    zc, zu, scale = z
+    return zc[keep], None if zu is None else zu[keep], scale
+
+
+@torch.no_grad()
+def generate(target, prompts: list[str], generators, draft, num_iter: int = 16, cfg_scale: float = 3.0,
+             cfg_schedule: str = "linear", temperature: float = 1.0, prefill_ratio: float = 0.05, gamma: int = 4,
+             ratio: str = "aligned", align: bool = True, acceptance: str = "per_token",
+             density_temperature: float = 1.0, max_proposals: int = 16):
+    """CSpD sampling: tokens (B, L, d) and stats (accept rate, target/draft calls, residual proposals)."""
+    _check(target, draft, prefill_ratio, gamma, acceptance)
+    st = MARState(target, prompts, generators, cfg_scale)
+    cond_t, null_t = conditioning(target, prompts, cfg_scale)
+    cond_d, null_d = conditioning(draft, prompts, cfg_scale)
+    sched, si = schedule(st.L, num_iter), 0
+    stats = {"target_calls": 0, "draft_calls": 0, "drafted": 0, "accepted": 0, "proposals": 0, "fallbacks": 0}
+    opts = (cfg_scale, cfg_schedule, temperature)
+    while si < len(sched) and st.known < prefill_ratio * st.L:  # prefill with the target
+        mar_step(target, st, cond_t, null_t, sched[si], *opts)
+        st.known, si = sched[si], si + 1
+        stats["target_calls"] += 1
+    while si < len(sched):
+        drafted, d_tokens, d_known = [], st.tokens.clone(), st.known
+        for tk in sched[si: si + gamma]:  # draft: gamma masked-AR steps of the draft model
+            drafted.append(mar_step(draft, st, cond_d, null_d, tk, *opts, tokens=d_tokens, known=d_known) + (d_known,))
+            d_known = tk
+        stats["draft_calls"] += len(drafted)
+        stats["target_calls"] += 1  # one target pass judges every drafted token
+        st.known = _verify(target, draft, st, drafted, (cond_t, null_t), opts, ratio, align, acceptance,
+                           density_temperature, max_proposals, stats)
+        si = next((i for i, k in enumerate(sched) if k > st.known), len(sched))
+    return st.tokens, {**stats, "accept_rate": stats["accepted"] / max(stats["drafted"], 1),
+                       "nfe": stats["target_calls"]}
+
+
+def _verify(target, draft, st, drafted, conds, opts, ratio, align, acceptance, density_temperature, max_proposals,
+            stats) -> int:
+    """Judge the drafted tokens, write accepted or corrected ones into st.tokens; return the new known count."""
+    cfg_scale, cfg_schedule, temperature = opts
+    judged, passes = [], {}
+    for idx, chain, z_draft, start in drafted:
+        scale = cfg_at(cfg_scale, cfg_schedule, start, st.L)
+        if scale not in passes:  # conditions given the known set before drafting (one pass per CFG scale)
+            passes[scale] = model_conditions(target, st.tokens, (st.rank >= st.known).float(), *conds, scale)
+        zc, zu = passes[scale]
+        z_t = (zc[idx], None if zu is None else zu[idx], scale)
+        nz = st.noise[idx]
+        noises = [nz[:, k + 1] for k in range(st.K)] if align else [torch.randn_like(nz[:, 0]) for _ in range(st.K)]
+        logr, final = log_ratio(chain, tempered(head_step_fn(target, *z_t), temperature), ratio, noises, align)
+        rand, _ = _rng(st, idx[0])
+        judged.append((idx, accept(logr, rand((len(logr),)), density_temperature), final, z_t, z_draft))
+    rejected_ranks = [st.rank[i][~ok] for i, ok, *_ in judged if (~ok).any()]
+    last = max(int(st.rank[i].max()) for i, *_ in judged)
+    stop_rank = min(int(r.min()) for r in rejected_ranks) if acceptance == "prefix" and rejected_ranks else last
+    for idx, ok, final, z_t, z_d in judged:
+        keep = st.rank[idx] <= stop_rank
+        redo = keep & ~ok
+        tok = final.clone()
+        if redo.any():  # residual: acceptance-rejection with proposals from the target's own chains
+            rand, randn = _rng(st, idx[0][redo])
+            r_tok, used, fell = residual_sample(
+                tempered(head_step_fn(target, *_sub(z_t, redo)), temperature),
+                tempered(head_step_fn(draft, *_sub(z_d, redo)), temperature), (int(redo.sum()), st.d), st.K,
+                max_proposals=max_proposals, device=st.dev, rand=rand, randn=randn)
+            tok[redo] = r_tok
+            stats["proposals"] += int(used.sum())
+            stats["fallbacks"] += int(fell.sum())
+        st.tokens[idx[0][keep], idx[1][keep]] = tok[keep]
+        stats["drafted"] += int(keep.sum())
+        stats["accepted"] += int((keep & ok).sum())
+    return stop_rank + 1
