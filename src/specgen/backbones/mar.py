@@ -32,13 +32,13 @@ class ShapesMAR(nn.Module):
                  num_classes: int = 1000, buffer_size: int = 40, mlp_ratio: float = 4.0, mask_ratio_min: float = 0.7,
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
-                 proj_dropout: float = 0.0):
+                 proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None):
         super().__init__()
-        if preset not in PRESETS:
+        if sizes is None and preset not in PRESETS:
             raise ValueError(f"unknown MAR preset {preset!r}: expected one of {sorted(PRESETS)}")
         if cond not in ("prompt", "class"):
             raise ValueError(f"cond must be 'prompt' or 'class', got {cond!r}")
-        D, enc, dec, heads, hw, hd = PRESETS[preset]
+        D, enc, dec, heads, hw, hd = sizes or PRESETS[preset]  # width, depths, heads, head width/depth
         self.grid_size, self.token_dim, self.seq_len = grid_size, token_dim, grid_size * grid_size
         self.cond, self.buffer_size, self.label_drop_prob = cond, buffer_size, label_drop_prob
         self.diffusion_batch_mul = diffusion_batch_mul
@@ -161,3 +161,33 @@ class ShapesMAR(nn.Module):
         if out.shape[-1] == 2 * d:
             loss = loss + diff.vlb_term(out[:, :d].detach(), out[:, d:], x0, x_t, t)
         return loss
+
+
+def load_mar_release(path: str, num_heads: int | None = None, sample_steps: int = 100, key: str = "model_ema",
+                     **kwargs) -> ShapesMAR:
+    """Build a class-conditional ShapesMAR from an official MAR checkpoint (`torch.load(path)[key]`).
+
+    Sizes are read off the weights (width, encoder/decoder depth, buffer size, latent size, diffusion
+    head width/depth); heads follow MAR's presets (768 -> 12, 1024 and 1280 -> 16) unless given."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if key not in ckpt:
+        raise KeyError(f"{path}: no {key!r} entry (found {sorted(ckpt)[:5]}); MAR releases hold 'model_ema' and 'model'")
+    sd = ckpt[key]
+    D = sd["z_proj.weight"].shape[0]
+    depth = lambda prefix: 1 + max(int(k.split(".")[1]) for k in sd if k.startswith(prefix + "."))
+    head_depth = 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("diffloss.net.res_blocks."))
+    heads = num_heads or {768: 12, 1024: 16, 1280: 16}.get(D)
+    if heads is None:
+        raise ValueError(f"width {D} is not a MAR release size: pass num_heads explicitly")
+    seq_plus_buffer = sd["encoder_pos_embed_learned"].shape[1]
+    seq_len = sd["diffusion_pos_embed_learned"].shape[1]
+    learned = sd["diffloss.net.final_layer.linear.weight"].shape[0] == 2 * sd["z_proj.weight"].shape[1]
+    model = ShapesMAR(grid_size=int(round(seq_len ** 0.5)), token_dim=sd["z_proj.weight"].shape[1], cond="class",
+                      num_classes=sd["class_emb.weight"].shape[0], buffer_size=seq_plus_buffer - seq_len,
+                      sample_steps=sample_steps, variance="learned_range" if learned else "fixed_small",
+                      sizes=(D, depth("encoder_blocks"), depth("decoder_blocks"), heads,
+                             sd["diffloss.net.input_proj.weight"].shape[0], head_depth), **kwargs)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: keys do not map onto ShapesMAR: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval()
