@@ -31,4 +31,10 @@ def tiny_exports(tmp_path_factory):
     export(root / "vq", instantiate(vq_cfg), vq_cfg)
     export(root / "ar", instantiate(ar_cfg), ar_cfg)
     export(root / "fphi", instantiate(fphi_cfg), fphi_cfg)
+    kl_cfg = {"_target_": "specgen.tokenizers.kl.KLAutoencoder", "image_size": 64, "ch": 16, "mults": [2, 2],
+              "z_dim": 8}
+    export(root / "kl", instantiate(kl_cfg), kl_cfg)
+    mar_cfg = {"_target_": "specgen.backbones.mar.ShapesMAR", "grid_size": 16, "token_dim": 8, "preset": "tiny",
+               "sample_steps": 5}
+    export(root / "mar", instantiate(mar_cfg), mar_cfg)
     return root

@@ -115,7 +115,7 @@ class ShapesMAR(nn.Module):
             x = blk(x)
         x = self.decoder_embed(self.encoder_norm(x))
         full = self.mask_token.expand(B, self.buffer_size + L, -1).clone()
-        full[keep] = x.reshape(-1, x.shape[-1])
+        full[keep] = x.reshape(-1, x.shape[-1]).to(full.dtype)  # autocast may have run the encoder in bf16
         x = full + self.decoder_pos_embed_learned
         for blk in self.decoder_blocks:
             x = blk(x)

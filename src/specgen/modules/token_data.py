@@ -1,4 +1,5 @@
-"""Pre-tokenized (prompt, image-code) examples for backbone training, cached on disk in shards.
+"""Pre-tokenized (prompt, image tokens) examples for backbone training, cached on disk in shards
+(VQ codes for discrete backbones, scaled KL latents for continuous ones).
 
 Encoding images with the VQ tokenizer is the expensive part, so it runs once: shard k holds
 examples [k * shard_size, (k + 1) * shard_size) of the deterministic example stream, and its file
@@ -33,18 +34,20 @@ def _file_sha(path: Path) -> str:
 
 
 class TokenShards(Dataset):
-    """Concatenated shards: item = (prompt text, codes (H, W) int64)."""
+    """Concatenated shards: item = prompt text and VQ codes (H, W) int64 or KL latents (L, d) float32."""
 
     def __init__(self, files: list[Path]):
         parts = [np.load(f, allow_pickle=False) for f in files]
-        self.codes = np.concatenate([p["codes"] for p in parts])
+        self.key = "codes" if "codes" in parts[0] else "latents"
+        self.data = np.concatenate([p[self.key] for p in parts])
         self.prompts = np.concatenate([p["prompts"] for p in parts])
 
     def __len__(self):
-        return len(self.codes)
+        return len(self.data)
 
     def __getitem__(self, i):
-        return {"prompt": str(self.prompts[i]), "codes": torch.from_numpy(self.codes[i].astype(np.int64))}
+        x = self.data[i].astype(np.int64 if self.key == "codes" else np.float32)
+        return {"prompt": str(self.prompts[i]), self.key: torch.from_numpy(x)}
 
 
 class ShapesTokenDataModule(L.LightningDataModule):
@@ -85,13 +88,15 @@ class ShapesTokenDataModule(L.LightningDataModule):
             idx = range(k * h.shard_size + start, k * h.shard_size + min(start + h.encode_batch, h.shard_size))
             batch = [example(i, split, h.seed, h.image_size, h.textured_frac) for i in idx]
             images = torch.from_numpy(np.stack([img for _, img, _ in batch])).permute(0, 3, 1, 2)
-            codes.append(tokenizer.encode(images).numpy().astype(np.uint16))
+            enc = tokenizer.encode(images).numpy()  # VQ: codes (B, h, w); KL: scaled latents (B, L, d)
+            codes.append(enc.astype(np.uint16) if enc.dtype.kind == "i" else enc.astype(np.float16))
             prompts += [meta["prompt"] for meta, _, _ in batch]
         path = self._shard_path(split, k)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
         os.close(fd)
-        np.savez(tmp, codes=np.concatenate(codes), prompts=np.asarray(prompts))
+        data = np.concatenate(codes)
+        np.savez(tmp, **{"codes" if data.dtype == np.uint16 else "latents": data}, prompts=np.asarray(prompts))
         os.replace(tmp, path)  # atomic: a half-written shard is never picked up
 
     def setup(self, stage: str | None = None):
