@@ -26,7 +26,7 @@ def test_eval_writes_flat_metrics_and_reuses_cached_images(tmp_path, tiny_export
     out = Path(cfg.paths.output_dir)
     on_disk = json.loads((out / "metrics.json").read_text())
     assert on_disk == pytest.approx(metrics)
-    for task in TASKS + ("overall",):
+    for task in TASKS + ("overall", "overall_ci95"):
         assert 0.0 <= on_disk[f"ar/geneval/{task}"] <= 1.0
     assert on_disk["ar/speed/nfe"] == 256  # 16x16 grid: one pass per visual token
     assert (out / "grid.png").is_file() and (out / "results.csv").is_file()
@@ -62,8 +62,10 @@ def test_geneval_rules_in_both_directions():
     assert evaluate([_obj("square", (40, 0, 50, 10)), _obj("circle", (0, 0, 10, 10))], pos)[0]
     assert not evaluate([_obj("square", (0, 0, 10, 10)), _obj("circle", (40, 0, 50, 10))], pos)[0]
     assert not evaluate([_obj("circle", (0, 0, 10, 10))], pos)[0]  # no target
-    assert summarize([{"tag": "colors", "correct": True}, {"tag": "colors", "correct": False},
-                      {"tag": "counting", "correct": True}]) == {"colors": 0.5, "counting": 1.0, "overall": 0.75}
+    s = summarize([{"tag": "colors", "correct": True}, {"tag": "colors", "correct": False},
+                   {"tag": "counting", "correct": True}])
+    assert (s["colors"], s["counting"], s["overall"]) == (0.5, 1.0, 0.75)
+    assert s["overall_ci95"] == pytest.approx(1.96 * (0.25 / 2) ** 0.5 / 2)
 
 
 def test_official_metadata_parses_and_bad_files_name_the_line(tmp_path):
@@ -95,7 +97,19 @@ def test_ssd_through_the_entry_point_writes_an_acceptance_map(tmp_path, tiny_exp
     metrics = run_eval(cfg)
     assert metrics["ssd/speed/nfe"] <= 16 * 3 + 1  # rows x (rounds + 1) + prefill
     assert 0 <= metrics["ssd/speed/accept_rate"] <= 1
-    assert (Path(cfg.paths.output_dir) / "accept_map.png").is_file()
+    assert (Path(cfg.paths.output_dir) / "accept_map_ssd.png").is_file()
+
+
+def test_continuous_backbone_and_cspd_through_the_entry_point(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    base = [f"generator.backbone_dir={tiny_exports / 'mar'}", f"generator.tokenizer_dir={tiny_exports / 'kl'}",
+            "decoding.fn.num_iter=4"]
+    m = run_eval(_eval_cfg(tmp_path, tiny_exports, ["decoding=mar", *base]))
+    assert "target/geneval/overall" in m and m["target/speed/nfe"] == 4
+    c = run_eval(_eval_cfg(tmp_path / "c", tiny_exports, ["decoding=cspd", *base, "decoding.fn.gamma=2",
+                                                          f"decoding.fn.draft.dirpath={tiny_exports / 'mar'}"]))
+    assert c["cspd/speed/accept_rate"] == 1.0  # draft = target: everything accepted
 
 
 def test_unknown_strategy_lists_the_known_ones(tmp_path):
@@ -171,3 +185,19 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
     assert out["ar/speed/wall_ratio_bs1"] == 1.0 and out["ar/speed/nfe_bs2"] == 16
     assert out["zipar/speed/nfe_ratio_bs2"] == pytest.approx(16 / out["zipar/speed/nfe_bs2"]) and out["zipar/speed/nfe_bs2"] < 16
     assert out["zipar/speed/images_bs1"] == 2 and out["ar/speed/peak_mem_mb_bs1"] > 0
+
+
+def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
+                               f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
+                               "benchmark.geneval.samples_per_prompt=1", "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
+                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "cspd", "cspd_noalign")],
+                               *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in ("cspd", "cspd_noalign")]],
+                      tmp_path)
+    m = run_eval(cfg)
+    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd/speed/wall_ratio", "cspd/speed/wall_ratio_bs1",
+                "target/geneval/overall", "cspd/geneval/overall", "cspd/geneval/overall_ci95"):
+        assert key in m, key
+    assert m["target/speed/wall_ratio"] == 1.0

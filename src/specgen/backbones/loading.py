@@ -19,7 +19,7 @@ def weights_id(dirpath: str | Path) -> str:
 
 
 def load_shapes_generator(backbone_dir: str, tokenizer_dir: str, device: str = "cpu"):
-    """The embedded AR backbone with its VQ tokenizer attached, frozen, in eval mode."""
+    """An embedded backbone (AR or MAR-style) with its tokenizer attached, frozen, in eval mode."""
     backbone = load_exported(backbone_dir, device)
     backbone.attach_tokenizer(load_exported(tokenizer_dir, device))
     backbone.requires_grad_(False)

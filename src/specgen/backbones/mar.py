@@ -80,6 +80,32 @@ class ShapesMAR(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    # ---- the generator interface of the evaluation runner ---------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.fake_latent.device
+
+    def prompt_ids(self, prompts: list[str]) -> list[str]:
+        """Continuous decoders take the prompts themselves (validated here, conditioned later)."""
+        if self.cond == "prompt":
+            self.condition(prompts)
+        return list(prompts)
+
+    def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesMAR":
+        """Attach the KL tokenizer used by `decode` (kept out of the state dict)."""
+        if tokenizer.z_dim != self.token_dim or tokenizer.grid_size != self.grid_size:
+            raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} tokens of dim "
+                             f"{tokenizer.z_dim}, the backbone expects {self.grid_size}x{self.grid_size} of dim "
+                             f"{self.token_dim}: load the tokenizer the backbone was trained with")
+        self.__dict__["tokenizer"] = tokenizer
+        return self
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Latent tokens (B, L, d) -> images (B, 3, S, S) in [0, 1]."""
+        if self.__dict__.get("tokenizer") is None:
+            raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<kl folder>))")
+        return self.tokenizer.decode(tokens)
+
     # ---- conditions ----------------------------------------------------------------------------
     def condition(self, prompts: list[str] | torch.Tensor) -> torch.Tensor:
         """Buffer embeddings (B, buffer, D): prompt words left-padded into the slots, or a class label."""

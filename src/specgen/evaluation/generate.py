@@ -64,7 +64,7 @@ def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: s
         prompt_ids = backbone.prompt_ids([j.prompt for j in batch])
         t0 = time.perf_counter()
         codes, stats = decode_fn(backbone, prompt_ids, generators=make_generators([j.seed for j in batch],
-                                                                                   prompt_ids.device))
+                                                                                   backbone.device))
         images = backbone.decode(codes)
         if images.is_cuda:
             torch.cuda.synchronize()

@@ -103,6 +103,9 @@ def summarize(results: list[dict]) -> dict[str, float]:
     scores = {t: float(np.mean(v)) for t, v in by_task.items() if t in TASKS}
     if scores:
         scores["overall"] = float(np.mean(list(scores.values())))
+        # 95% interval half-width of the overall score (binomial per task, tasks independent)
+        var = sum(scores[t] * (1 - scores[t]) / len(by_task[t]) for t in scores if t != "overall")
+        scores["overall_ci95"] = float(1.96 * np.sqrt(var) / (len(scores) - 1))
     return scores
 
 

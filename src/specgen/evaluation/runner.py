@@ -45,17 +45,59 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, out_dir: Path):
+    """Generate (cached) and score the benchmarks' images for one strategy: (metrics, rows, grid)."""
+    name, decode_fn = decoding.name, instantiate(decoding.fn)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
+    unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
+    fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
+    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
+    log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
+    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, cfg.batch_size, desc=f"{name}")
+    by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
+    metrics, rows = {}, []
+    for bench, jobs in zip(benchmarks, jobs_per_bench):
+        scores, bench_rows = bench.score(jobs, [by_key[j.key][0] for j in jobs])
+        metrics.update({f"{name}/{bench.name}/{k}": v for k, v in scores.items()})
+        rows += [dict(r, decoding=name) for r in bench_rows]
+    metrics.update({f"{name}/speed/{k}": v for k, v in speed_metrics(stats).items()})
+    metrics[f"{name}/num_images"] = float(len(unique))
+    maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
+    if maps:
+        acceptance_map_png(np.mean(maps, 0), out_dir / f"accept_map_{name}.png", f"{name}: first-pass acceptance")
+    grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
+                      ncols=cfg.grid_cols)
+    Image.fromarray(grid).save(out_dir / f"grid_{name}.png")
+    return metrics, rows, grid
+
+
 def run_speed(cfg: DictConfig) -> dict[str, float]:
-    """Side-by-side speed of `cfg.strategies` (the first is the reference) -> metrics.json + table."""
+    """Every strategy of `cfg.strategies` on the same prompts and seeds: quality on the configured
+    benchmarks (if any), then speed side by side (the first strategy is the reference)."""
     from specgen.evaluation.benchmarks import _mixed_prompts
     from specgen.evaluation.speed import compare
 
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     backbone = instantiate(cfg.generator)
+    benchmarks = [instantiate(b) for b in (cfg.get("benchmark") or {}).values() if b is not None]
+    metrics, rows = {}, []
+    for dec in cfg.strategies.values():
+        if benchmarks:
+            m, r, _ = quality(cfg, backbone, dec, benchmarks, out_dir)
+            metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
+            rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
     prompts = [m["prompt"] for m in _mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
-    metrics = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
-    atomic_write_text(Path(cfg.paths.output_dir) / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _log(cfg, metrics, None, [])
+    speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
+    metrics.update(speed)
+    for name in strategies:  # headline acceptance rate of speculative strategies
+        if f"{name}/speed/accept_rate" in speed:
+            metrics[f"{name}/accept_rate"] = speed[f"{name}/speed/accept_rate"]
+    atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    _write_csv(out_dir / "results.csv", rows)
+    _log(cfg, metrics, None, rows)
     print(format_table(metrics))
     return metrics
 
@@ -65,31 +107,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         return run_speed(cfg)
     out_dir = Path(cfg.paths.output_dir)
     backbone = instantiate(cfg.generator)
-    name, decode_fn = cfg.decoding.name, instantiate(cfg.decoding.fn)
     benchmarks = [instantiate(b) for b in cfg.benchmark.values() if b is not None]
-    jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
-    unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
-    fn_cfg = OmegaConf.to_container(cfg.decoding.fn, resolve=True)
-    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
-    log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
-    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, cfg.batch_size, desc=f"{name}")
-    by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
-
-    metrics, rows = {}, []
-    for bench, jobs in zip(benchmarks, jobs_per_bench):
-        scores, bench_rows = bench.score(jobs, [by_key[j.key][0] for j in jobs])
-        metrics.update({f"{name}/{bench.name}/{k}": v for k, v in scores.items()})
-        rows += [dict(r, decoding=name) for r in bench_rows]
-    metrics.update({f"{name}/speed/{k}": v for k, v in speed_metrics(stats).items()})
-    metrics[f"{name}/num_images"] = float(len(unique))
-
+    metrics, rows, grid = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _write_csv(out_dir / "results.csv", rows)
-    maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
-    if maps:
-        acceptance_map_png(np.mean(maps, 0), out_dir / "accept_map.png", f"{name}: first-pass acceptance")
-    grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
-                      ncols=cfg.grid_cols)
     Image.fromarray(grid).save(out_dir / "grid.png")
     _log(cfg, metrics, grid, rows)
     print(format_table(metrics))

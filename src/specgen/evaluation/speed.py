@@ -50,10 +50,10 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
     ids = [backbone.prompt_ids(b) for b in batches]
     decode_fn(backbone, ids[0], generators=make_generators(range(len(batches[0])), device))  # warm-up
     _reset_peak(device)
-    wall, nfe, drafts, n = 0.0, [], [], 0
+    wall, nfe, drafts, extra, n = 0.0, [], [], {}, 0
     for r in range(repeats):
         for b, x in enumerate(ids):
-            gens = make_generators([seed + 1000 * r + b * batch_size + i for i in range(x.shape[0])], device)
+            gens = make_generators([seed + 1000 * r + b * batch_size + i for i in range(len(x))], device)
             _sync(device)
             t0 = time.perf_counter()
             _, stats = decode_fn(backbone, x, generators=gens)
@@ -61,9 +61,13 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
             wall += time.perf_counter() - t0
             nfe.append(stats["nfe"])
             drafts.append(stats.get("draft_calls", 0))
-            n += x.shape[0]
+            for k, v in stats.items():  # other scalar statistics (acceptance rates, proposals, ...)
+                if k not in ("nfe", "draft_calls") and isinstance(v, (int, float)):
+                    extra.setdefault(k, []).append(float(v))
+            n += len(x)
     return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)),
-            "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n)}
+            "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
+            **{k: float(np.mean(v)) for k, v in extra.items()}}
 
 
 def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[int], repeats: int = 1) -> dict:
@@ -73,7 +77,9 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
     for bs in batch_sizes:
         results = {name: measure(backbone, fn, prompts, bs, repeats) for name, fn in strategies.items()}
         for name, res in results.items():
+            res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
+            res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
             out.update({f"{name}/speed/{k}_bs{bs}": v for k, v in res.items()})
-            out[f"{name}/speed/wall_ratio_bs{bs}"] = results[ref]["latency_s"] / res["latency_s"]
-            out[f"{name}/speed/nfe_ratio_bs{bs}"] = results[ref]["nfe"] / res["nfe"]
+            if bs == max(batch_sizes):  # the largest batch also under plain names
+                out.update({f"{name}/speed/{k}": v for k, v in res.items()})
     return out
