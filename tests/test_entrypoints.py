@@ -115,3 +115,14 @@ def test_kl_tokenizer_export_records_the_measured_latent_scale(tmp_path, tiny_ex
     assert kl.scale_factor != 1.0 and f"scale_factor: {kl.scale_factor}" in cfg_text
     tokens = kl.encode(torch.zeros(2, 3, 64, 64, dtype=torch.uint8))
     assert tokens.shape == (2, 16 * 16, 8) and kl.decode(tokens).shape == (2, 3, 64, 64)
+
+
+def test_slurm_launcher_config_composes():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher.partition == "gpu" and "SlurmLauncher" in cfg.hydra.launcher._target_

@@ -136,6 +136,12 @@ def test_collect_turns_a_sweep_folder_into_one_table(tmp_path):
     assert "seed" not in table and "speed/nfe" not in table and "0.7500" in table
     with pytest.raises(FileNotFoundError, match="no metrics.json"):
         collect(tmp_path / "empty")
+    from specgen.evaluation.collect import pareto_plot
+
+    assert pareto_plot(collect(tmp_path), "speed/nfe", "geneval/overall", tmp_path / "p.png") is False  # ints only
+    rows = [dict(r, **{"speed/wall_ratio": float(i + 1)}) for i, r in enumerate(collect(tmp_path))]
+    assert pareto_plot(rows, "speed/wall_ratio", "geneval/overall", tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 def test_official_layout_round_trip(tmp_path):

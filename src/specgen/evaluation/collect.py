@@ -49,6 +49,32 @@ def format_rows(rows: list[dict], drop_constant: bool = True) -> str:
     return "\n".join(lines)
 
 
+def pareto_plot(rows: list[dict], x: str, y: str, path: str | Path, label: str = "decoding") -> bool:
+    """Scatter of y against x, one point per job labelled by `label` (and its varying overrides); PNG."""
+    pts = [(r[x], r[y], r) for r in rows if isinstance(r.get(x), float) and isinstance(r.get(y), float)]
+    if not pts:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    varying = [c for c in dict.fromkeys(k for r in rows for k in r) if "/" not in c and c not in ("job", label)
+               and len({str(r.get(c)) for r in rows}) > 1]
+    fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
+    for px, py, r in pts:
+        ax.scatter(px, py, s=25)
+        text = " ".join([str(r.get(label, ""))] + [f"{c.split('.')[-1]}={r.get(c)}" for c in varying])
+        ax.annotate(text, (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _fmt(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -58,9 +84,13 @@ def main() -> None:
     ap.add_argument("root", help="a sweep folder (logs/<task>/multiruns/<time>) or a run folder")
     ap.add_argument("--metrics", default="", help="keep metrics whose name contains this (e.g. geneval)")
     ap.add_argument("--out", default=None, help="also write the table as CSV here")
+    ap.add_argument("--plot", nargs=2, metavar=("X", "Y"), default=None,
+                    help="also write <root>/pareto.png of metric Y against X, e.g. speed/wall_ratio geneval/overall")
     args = ap.parse_args()
     rows = collect(args.root, args.metrics)
     print(format_rows(rows))
+    if args.plot and pareto_plot(collect(args.root), *args.plot, Path(args.root) / "pareto.png"):
+        print(f"wrote {Path(args.root) / 'pareto.png'}")
     if args.out:
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
