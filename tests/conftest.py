@@ -15,8 +15,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(scope="session")
 def tiny_exports(tmp_path_factory):
     """A tiny random VQ tokenizer and backbone exported like the shipped ones."""
-    from specgen.backbones.shapes_llama import ShapesLlama
-    from specgen.tokenizers.vq import VQAutoencoder
     from specgen.utils.checkpoints import export
 
     root = tmp_path_factory.mktemp("exports")

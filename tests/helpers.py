@@ -18,3 +18,16 @@ def compose_cfg(name: str, overrides: list[str], tmp_path) -> DictConfig:
         cfg.paths.data_dir = str(tmp_path / "data")
         cfg.paths.checkpoint_dir = str(tmp_path / "checkpoints")
     return cfg
+
+
+def tiny_llama(eol: bool, codes: int = 24, grid: int = 5, sharpen: float = 20.0, seed: int = 0):
+    """A tiny random ShapesLlama whose head is sharpened so that greedy outputs vary across positions."""
+    import torch
+
+    from specgen.backbones.shapes_llama import ShapesLlama
+
+    torch.manual_seed(seed)
+    m = ShapesLlama(num_codes=codes, grid_size=grid, eol=eol, preset="tiny").eval()
+    with torch.no_grad():
+        m.model.lm_head.weight.mul_(sharpen)
+    return m

@@ -5,17 +5,13 @@ from specgen.backbones.protocol import DiscreteBackbone
 from specgen.backbones.shapes_llama import ShapesLlama
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_generators
+from helpers import tiny_llama
 
 PROMPTS = ["a photo of a red circle", "a large blue square in the top left , a small pink cross in the center ."]
 
 
 def tiny(eol: bool, seed: int = 0) -> ShapesLlama:
-    torch.manual_seed(seed)
-    m = ShapesLlama(num_codes=24, grid_size=5, eol=eol, preset="tiny").eval()
-    # a random model is nearly uniform: sharpen the head so greedy outputs vary across positions
-    with torch.no_grad():
-        m.model.lm_head.weight.mul_(20)
-    return m
+    return tiny_llama(eol, seed=seed)
 
 
 @pytest.mark.parametrize("eol", [True, False])

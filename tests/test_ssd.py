@@ -12,16 +12,13 @@ from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
 from specgen.decoding.sampling import make_generators
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
+from helpers import tiny_llama
 
 PROMPTS = ["a photo of a red circle", "two squares", "a large blue cross in the top left ."]
 
 
 def tiny(eol: bool, codes: int = 24, grid: int = 5, sharpen: float = 20.0) -> ShapesLlama:
-    torch.manual_seed(0)
-    m = ShapesLlama(num_codes=codes, grid_size=grid, eol=eol, preset="tiny").eval()
-    with torch.no_grad():
-        m.model.lm_head.weight.mul_(sharpen)  # varied greedy outputs from a random model
-    return m
+    return tiny_llama(eol, codes, grid, sharpen)
 
 
 def noisy_drafter(m: ShapesLlama) -> FPhi:

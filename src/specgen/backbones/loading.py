@@ -4,8 +4,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import torch
-
 from specgen.utils.checkpoints import load_exported
 
 

@@ -9,7 +9,6 @@ Sampling is `specgen.decoding.mar`'s job; this module exposes the pieces it need
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import numpy as np

@@ -24,7 +24,7 @@ def report(tokenizer, n: int = 512, batch: int = 64) -> dict[str, float]:
     out = {}
     for texture, frac in (("plain", 0.0), ("textured", 1.0)):
         ds = ShapesImages(n, "test", seed=0, image_size=tokenizer.image_size, textured_frac=frac)
-        psnrs, matched, total, found, found_clean = [], 0, 0, 0, 0
+        psnrs, matched, total, found_clean = [], 0, 0, 0
         for start in range(0, n, batch):
             items = [ds[i] for i in range(start, min(start + batch, n))]
             x = torch.stack([it["image"] for it in items])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import lightning as L
 
 from specgen.backbones.shapes_llama import ShapesLlama
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -71,11 +71,7 @@ class ARModule(L.LightningModule):
         self.log("val/geneval_overall", scores["overall"], prog_bar=True)
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.net.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.net.named_parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}],
-                                lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        decay = [p for p in self.net.parameters() if p.ndim >= 2]  # no weight decay on norms and biases
+        no_decay = [p for p in self.net.parameters() if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return adamw_warmup_cosine(self, groups, self.hparams.lr, self.hparams.warmup_steps, betas=self.hparams.betas)

@@ -5,7 +5,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float
 
 # open_clip's (OpenAI) normalisation, so that open_clip's own preprocess matches training
@@ -45,7 +45,5 @@ class ClipModule(L.LightningModule):
         self.log_dict({"val/loss": loss, "val/acc_i2t": acc}, prog_bar=True, batch_size=len(batch["prompt"]))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.net.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+                                   self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.999))

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float
 
 
@@ -80,7 +80,5 @@ class DistillModule(L.LightningModule):
         return {"backbone_id": self.backbone_id, "backbone_dir": self.hparams.backbone_dir}
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.net.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+                                   self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.999))

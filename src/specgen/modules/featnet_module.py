@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from specgen.evaluation.feature_net import NUM_CLASSES, ShapesFeatureNet, class_index
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float
 
 
@@ -52,7 +52,5 @@ class FeatNetModule(L.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.net.parameters(), lr=self.hparams.lr)
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+                                   self.hparams.warmup_steps, 0.01, (0.9, 0.999))

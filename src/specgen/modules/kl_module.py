@@ -5,7 +5,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.modules.vq_module import psnr
 from specgen.tokenizers.kl import KLAutoencoder
 from specgen.utils.validate import expect_float
@@ -47,7 +47,5 @@ class KLModule(L.LightningModule):
         self.log("val/scale_factor", float(self.net.scale_factor))
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.net.parameters(), lr=self.hparams.lr, betas=(0.9, 0.99))
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+                                   self.hparams.warmup_steps, 0.0, (0.9, 0.99))

@@ -7,17 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from specgen.backbones.mar import ShapesMAR
-from specgen.modules.schedules import warmup_cosine
+from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float
 
 
 class _Base(L.LightningModule):
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.net.parameters(), lr=self.hparams.lr, betas=(0.9, 0.95),
-                                weight_decay=self.hparams.weight_decay)
-        total = max(self.trainer.estimated_stepping_batches, 1)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, self.hparams.warmup_steps, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+                                   self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.95))
 
 
 class MARModule(_Base):

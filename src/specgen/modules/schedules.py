@@ -8,3 +8,14 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
         return (step + 1) / warmup
     t = min((step - warmup) / max(total - warmup, 1), 1.0)
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def adamw_warmup_cosine(module, params, lr: float, warmup_steps: int, weight_decay: float = 0.0,
+                        betas=(0.9, 0.999)) -> dict:
+    """configure_optimizers() result: AdamW with a per-step warmup-cosine schedule over the whole fit."""
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
+    total = max(module.trainer.estimated_stepping_batches, 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps, total))
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from specgen.tokenizers.vq import Decoder, Encoder
+from specgen.tokenizers.vq import Decoder, Encoder, to_unit_range
 
 
 class KLAutoencoder(nn.Module):
@@ -28,18 +28,9 @@ class KLAutoencoder(nn.Module):
     def grid_size(self) -> int:
         return self.image_size // self.factor
 
-    def _check(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
-            raise ValueError(f"the tokenizer expects images of shape (B, 3, {self.image_size}, {self.image_size}), "
-                             f"got {tuple(x.shape)}: resize to {self.image_size}x{self.image_size} or use a "
-                             f"tokenizer trained at that resolution")
-        if x.dtype == torch.uint8:
-            x = x.float() / 255.0
-        return x * 2 - 1
-
     def moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, logvar), each (B, z_dim, h, w), of the unscaled posterior."""
-        mean, logvar = self.encoder(self._check(images)).chunk(2, dim=1)
+        mean, logvar = self.encoder(to_unit_range(images, self.image_size)).chunk(2, dim=1)
         return mean, logvar.clamp(-30, 20)
 
     @torch.no_grad()

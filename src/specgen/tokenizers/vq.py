@@ -98,6 +98,17 @@ class CosineEMAQuantizer(nn.Module):
             self.idle_steps[dead] = 0
 
 
+def to_unit_range(x: torch.Tensor, image_size: int) -> torch.Tensor:
+    """Validate (B, 3, S, S) uint8 or [0, 1] images and map them to [-1, 1]."""
+    if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != image_size or x.shape[3] != image_size:
+        raise ValueError(f"the tokenizer expects images of shape (B, 3, {image_size}, {image_size}), "
+                         f"got {tuple(x.shape)}: resize to {image_size}x{image_size} or use a "
+                         f"tokenizer trained at that resolution")
+    if x.dtype == torch.uint8:
+        x = x.float() / 255.0
+    return x * 2 - 1
+
+
 class VQAutoencoder(nn.Module):
     """Images in [0, 1], (B, 3, S, S) <-> codes (B, S/f, S/f) with f = 2**len(mults)."""
 
@@ -115,13 +126,7 @@ class VQAutoencoder(nn.Module):
         return self.image_size // self.factor
 
     def _check(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
-            raise ValueError(f"the tokenizer expects images of shape (B, 3, {self.image_size}, {self.image_size}), "
-                             f"got {tuple(x.shape)}: resize to {self.image_size}x{self.image_size} or use a "
-                             f"tokenizer trained at that resolution")
-        if x.dtype == torch.uint8:
-            x = x.float() / 255.0
-        return x * 2 - 1
+        return to_unit_range(x, self.image_size)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
