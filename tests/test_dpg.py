@@ -83,3 +83,19 @@ def test_shapes_oracle_scores_rendered_scenes_perfectly_and_catches_wrong_ones()
         other = sample_prompt(rng, "dense", "test")
         wrong = [render(scene_for(other, rng)) for _ in range(4)]
         assert score_image(make_grid(wrong), shapes_questions(meta), oracle)[0] < 1.0 or other == meta
+
+
+def test_score_folder_counts_failures_instead_of_dropping_them(tmp_path):
+    from PIL import Image
+
+    from specgen.evaluation.dpg_score import score_folder
+
+    rng = random.Random(1)
+    meta = sample_prompt(rng, "dense", "test")
+    tiles = [render(scene_for(meta, rng)) for _ in range(4)]
+    Image.fromarray(make_grid(tiles)).save(tmp_path / "7.png")
+    Image.fromarray(make_grid(tiles)).save(tmp_path / "8.png")  # no questions for item 8
+    Image.fromarray(np.zeros((10, 6, 3), np.uint8)).save(tmp_path / "9.png")
+    out = score_folder(tmp_path, {"7": shapes_questions(meta), "9": shapes_questions(meta)}, ShapesOracle())
+    assert out["overall"] == 100.0 and out["num_images"] == 1 and out["num_failed"] == 2
+    assert any("8.png" in f for f in out["failed"]) and any("2x2 grid" in f for f in out["failed"])

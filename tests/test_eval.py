@@ -30,6 +30,7 @@ def test_eval_writes_flat_metrics_and_reuses_cached_images(tmp_path, tiny_export
         assert 0.0 <= on_disk[f"ar/geneval/{task}"] <= 1.0
     assert on_disk["ar/speed/nfe"] == 256  # 16x16 grid: one pass per visual token
     assert (out / "grid.png").is_file() and (out / "results.csv").is_file()
+    assert (out / "geneval_samples" / "00000" / "samples" / "0000.png").is_file()
 
     pngs = sorted(Path(cfg.paths.data_dir, "image_cache").rglob("*.png"))
     assert len(pngs) == 6

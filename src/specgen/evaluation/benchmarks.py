@@ -11,9 +11,10 @@ class GenEval:
     name = "geneval"
 
     def __init__(self, split: str = "test", prompts_per_task: int | None = 12, samples_per_prompt: int = 4,
-                 metadata_file: str | None = None, detector=None, thresholds: Thresholds | None = None):
+                 metadata_file: str | None = None, detector=None, thresholds: Thresholds | None = None,
+                 layout_dir: str | None = None):
         self.split, self.prompts_per_task, self.samples = split, prompts_per_task, samples_per_prompt
-        self.metadata_file = metadata_file
+        self.metadata_file, self.layout_dir = metadata_file, layout_dir
         self.detector = detector or ShapesDetector()
         self.thresholds = thresholds or Thresholds()
 
@@ -30,6 +31,13 @@ class GenEval:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m) for m in self.metadata() for k in range(self.samples)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
+        if self.layout_dir is not None:  # the official evaluator can be run on this folder
+            from specgen.evaluation.geneval import write_official_layout
+
+            items: dict[str, tuple[dict, list]] = {}
+            for job, image in zip(jobs, images):
+                items.setdefault(job.prompt, (job.meta, []))[1].append(image)
+            write_official_layout(self.layout_dir, list(items.values()))
         rows = []
         for job, image in zip(jobs, images):
             correct, reason = evaluate(self.detector.detect(image), job.meta, self.thresholds)
