@@ -74,7 +74,7 @@ def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_e
     from specgen.train import train
 
     base = _tiny_train("ar_shapes_train", tiny_exports) + [
-        "trainer.val_check_interval=2", "callbacks.model_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=1", "callbacks.model_checkpoint.every_n_train_steps=2",
         "export_name=export", "logger=wandb"]
     cfg = compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path)
     train(cfg)
@@ -90,6 +90,7 @@ def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_e
     train(cfg2)
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 4
+    assert all(k.startswith("net.") for k in ckpt["state_dict"])  # helpers (val tokenizer) stay out
     # the optimizer took 4 steps in all: the second run continued the first instead of restarting
     assert int(ckpt["optimizer_states"][0]["state"][0]["step"]) == 4
 

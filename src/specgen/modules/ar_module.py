@@ -59,8 +59,8 @@ class ARModule(L.LightningModule):
         from specgen.evaluation.benchmarks import GenEval
         from specgen.utils.checkpoints import load_exported
 
-        if getattr(self, "_val_tokenizer", None) is None:
-            self._val_tokenizer = load_exported(spec["tokenizer_dir"], self.device)
+        if self.__dict__.get("_val_tokenizer") is None:  # not a submodule: stays out of checkpoints
+            self.__dict__["_val_tokenizer"] = load_exported(spec["tokenizer_dir"], self.device)
         bench = GenEval(split="val", prompts_per_task=spec["prompts_per_task"], samples_per_prompt=spec["samples"])
         jobs = bench.jobs(seed=0)
         codes, _ = ar.generate(self.net, self.net.prompt_ids([j.prompt for j in jobs]), cfg_scale=spec["cfg_scale"],
