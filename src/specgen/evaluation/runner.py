@@ -68,7 +68,6 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
         acceptance_map_png(np.mean(maps, 0), out_dir / f"accept_map_{name}.png", f"{name}: first-pass acceptance")
     grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
                       ncols=cfg.grid_cols)
-    Image.fromarray(grid).save(out_dir / f"grid_{name}.png")
     return metrics, rows, grid
 
 
@@ -85,7 +84,8 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     metrics, rows = {}, []
     for dec in cfg.strategies.values():
         if benchmarks:
-            m, r, _ = quality(cfg, backbone, dec, benchmarks, out_dir)
+            m, r, grid = quality(cfg, backbone, dec, benchmarks, out_dir)
+            Image.fromarray(grid).save(out_dir / f"grid_{dec.name}.png")
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
