@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +22,7 @@ from tqdm.auto import tqdm
 from specgen.backbones.loading import load_shapes_generator
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_generators
+from specgen.utils.checkpoints import atomic_savez, missing_shards
 from specgen.utils.validate import expect_int
 from specgen.world.prompts import sample_example
 
@@ -80,8 +79,7 @@ class DistillDataModule(L.LightningDataModule):
 
     def prepare_data(self):
         h = self.hparams
-        todo = [(s, k) for s, n in (("train", h.train_shards), ("val", h.val_shards)) for k in range(n)
-                if not self.shard_path(s, k).is_file()]
+        todo = missing_shards(self.shard_path, {"train": h.train_shards, "val": h.val_shards})
         if not todo:
             return
         backbone = load_shapes_generator(h.backbone_dir, h.tokenizer_dir)
@@ -104,12 +102,8 @@ class DistillDataModule(L.LightningDataModule):
             s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
             states.append(torch.stack([s_cond, s_null], 1).half().numpy())
             ids.append(tok.int().numpy())
-        path = self.shard_path(split, k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
-        os.close(fd)
-        np.savez(tmp, states=np.concatenate(states), ids=np.concatenate(ids))
-        os.replace(tmp, path)  # atomic: an interrupted stage resumes at this shard
+        # atomic: an interrupted stage resumes at this shard
+        atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
 
     def setup(self, stage: str | None = None):
         h = self.hparams

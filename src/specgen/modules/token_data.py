@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -21,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from specgen.modules.data import example
-from specgen.utils.checkpoints import load_exported
+from specgen.utils.checkpoints import atomic_savez, load_exported, missing_shards
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -72,8 +70,7 @@ class ShapesTokenDataModule(L.LightningDataModule):
 
     def prepare_data(self):
         h = self.hparams
-        todo = [(s, k) for s, n in (("train", h.train_shards), ("val", h.val_shards)) for k in range(n)
-                if not self._shard_path(s, k).is_file()]
+        todo = missing_shards(self._shard_path, {"train": h.train_shards, "val": h.val_shards})
         if not todo:
             return
         tokenizer = load_exported(h.tokenizer_dir)
@@ -91,13 +88,9 @@ class ShapesTokenDataModule(L.LightningDataModule):
             enc = tokenizer.encode(images).numpy()  # VQ: codes (B, h, w); KL: scaled latents (B, L, d)
             codes.append(enc.astype(np.uint16) if enc.dtype.kind == "i" else enc.astype(np.float16))
             prompts += [meta["prompt"] for meta, _, _ in batch]
-        path = self._shard_path(split, k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
-        os.close(fd)
         data = np.concatenate(codes)
-        np.savez(tmp, **{"codes" if data.dtype == np.uint16 else "latents": data}, prompts=np.asarray(prompts))
-        os.replace(tmp, path)  # atomic: a half-written shard is never picked up
+        atomic_savez(self._shard_path(split, k), **{"codes" if data.dtype == np.uint16 else "latents": data},
+                     prompts=np.asarray(prompts))
 
     def setup(self, stage: str | None = None):
         h = self.hparams

@@ -28,6 +28,23 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def atomic_savez(path: str | Path, **arrays) -> None:
+    """np.savez to a temp file in the same folder, then rename: a half-written file is never picked up."""
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
+    os.close(fd)
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def missing_shards(shard_path, counts: dict[str, int]) -> list[tuple[str, int]]:
+    """(split, index) of the shards not written yet, for `shard_path(split, k)` and shard counts per split."""
+    return [(s, k) for s, n in counts.items() for k in range(n) if not shard_path(s, k).is_file()]
+
+
 def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict, metrics: dict | None = None,
            command: str | None = None, extra: dict | None = None) -> Path:
     """Save a module's weights and the config that builds it into `dirpath`."""
