@@ -32,6 +32,10 @@ def train(cfg: DictConfig) -> dict:
     torch.set_num_threads(cfg.get("num_threads") or torch.get_num_threads())
     # _convert_="all": plain lists/dicts in hparams, so checkpoints load with weights_only=True
     datamodule: L.LightningDataModule = instantiate(cfg.data, _convert_="all")
+    if cfg.get("prepare_only"):  # write the data caches (token / teacher shards) and stop
+        datamodule.prepare_data()
+        log.info("prepare_only: data of %s is ready", type(datamodule).__name__)
+        return {}
     module: L.LightningModule = instantiate(cfg.module, _convert_="all")
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]

@@ -13,8 +13,9 @@ from specgen.utils.checkpoints import export
 class ExportModel(L.Callback):
     """At the end of fit (and at every validation), write `pl_module.net` as an exported model folder."""
 
-    def __init__(self, dirpath: str, net_cfg, every_validation: bool = True):
+    def __init__(self, dirpath: str, net_cfg, every_validation: bool = True, weights_dtype: str = "float32"):
         self.dirpath, self.net_cfg, self.every_validation = dirpath, net_cfg, every_validation
+        self.weights_dtype = weights_dtype
 
     def _export(self, trainer: L.Trainer, pl_module: L.LightningModule):
         if trainer.sanity_checking or not trainer.is_global_zero or trainer.fast_dev_run:
@@ -27,7 +28,7 @@ class ExportModel(L.Callback):
             else dict(self.net_cfg)
         if hasattr(pl_module.net, "export_config"):  # values measured in training, e.g. a latent scale
             net_cfg.update(pl_module.net.export_config())
-        export(self.dirpath, pl_module.net, net_cfg, metrics, command, extra)
+        export(self.dirpath, pl_module.net, net_cfg, metrics, command, extra, self.weights_dtype)
 
     def on_validation_end(self, trainer, pl_module):
         if self.every_validation:
@@ -47,3 +48,55 @@ def _command() -> str:
     if HydraConfig.initialized():
         return " ".join([prog] + [shlex.quote(o) for o in HydraConfig.get().overrides.task])
     return " ".join([prog] + [shlex.quote(a) for a in sys.argv[1:]])
+
+
+class TimeBudget(L.Callback):
+    """Fit the run into `seconds` of wall-clock time by choosing its step count from the measured speed.
+
+    Between steps `calibrate_from` and `calibrate_to` the callback times training steps, then sets
+    `trainer.max_steps` to the steps that fit in what is left of the budget (times `safety`, which
+    leaves room for validations and export), never above the configured `max_steps`. The warmup-cosine
+    schedules read `trainer.max_steps` at every step, so the learning rate decays to its floor at the
+    new end. A hard stop at `seconds` remains as a guard. With `seconds: null` it does nothing.
+    The chosen step count is logged (`budget/max_steps`) and ends up in the exported metrics
+    (`global_step`), so a run on another machine can reproduce it with `trainer.max_steps=<that>`.
+    """
+
+    def __init__(self, seconds: float | None = None, calibrate_from: int = 20, calibrate_to: int = 120,
+                 safety: float = 0.85):
+        if seconds is not None and seconds <= 0:
+            raise ValueError(f"callbacks.time_budget.seconds={seconds!r}: give a positive number of seconds or null")
+        if not 0 <= calibrate_from < calibrate_to:
+            raise ValueError(f"callbacks.time_budget: calibrate_from={calibrate_from} must be below "
+                             f"calibrate_to={calibrate_to}")
+        self.seconds, self.lo, self.hi, self.safety = seconds, calibrate_from, calibrate_to, safety
+        self._t0 = self._t_lo = None
+
+    def on_train_start(self, trainer, pl_module):
+        import time
+
+        self._t0 = time.perf_counter()
+        self._start_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import time
+
+        if self.seconds is None or trainer.fast_dev_run:
+            return
+        now, done = time.perf_counter(), trainer.global_step - self._start_step
+        if done == self.lo:
+            self._t_lo = now
+        elif done == self.hi and self._t_lo is not None:
+            per_step = (now - self._t_lo) / (self.hi - self.lo)
+            left = self.seconds - (now - self._t0)
+            steps = trainer.global_step + int(self.safety * left / per_step)
+            cap = trainer.fit_loop.epoch_loop.max_steps
+            if cap is not None and cap > 0:
+                steps = min(steps, cap)
+            trainer.fit_loop.epoch_loop.max_steps = max(steps, trainer.global_step + 1)
+            pl_module.log("budget/max_steps", float(trainer.fit_loop.epoch_loop.max_steps), rank_zero_only=True)
+            print(f"[time budget] {1 / per_step:.1f} steps/s -> max_steps={trainer.fit_loop.epoch_loop.max_steps}",
+                  flush=True)
+        if now - self._t0 > self.seconds:
+            print(f"[time budget] {self.seconds:.0f} s spent at step {trainer.global_step}: stopping", flush=True)
+            trainer.should_stop = True

@@ -61,7 +61,7 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, backbone_dir: str, tokenizer_dir: str, cache_dir: str, train_shards: int = 4,
                  val_shards: int = 1, shard_size: int = 512, sample_batch: int = 64, cfg_scale: float = 3.0,
                  temperature: float = 1.0, top_k: int | None = None, batch_size: int = 16, seed: int = 0,
-                 num_workers: int = 0):
+                 num_workers: int = 0, sample_device: str = "auto"):
         super().__init__()
         for name in ("train_shards", "val_shards", "shard_size", "sample_batch", "batch_size"):
             expect_int(f"data.{name}", locals()[name], 1)
@@ -82,12 +82,15 @@ class DistillDataModule(L.LightningDataModule):
         todo = missing_shards(self.shard_path, {"train": h.train_shards, "val": h.val_shards})
         if not todo:
             return
-        backbone = load_shapes_generator(h.backbone_dir, h.tokenizer_dir)
+        device = h.sample_device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        backbone = load_shapes_generator(h.backbone_dir, h.tokenizer_dir, device)
         for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
-            self._write_shard(backbone, split, k)
+            self._write_shard(backbone, split, k, device)
 
     @torch.no_grad()
-    def _write_shard(self, backbone, split: str, k: int):
+    def _write_shard(self, backbone, split: str, k: int, device: str = "cpu"):
         h = self.hparams
         states, ids = [], []
         for start in tqdm(range(0, h.shard_size, h.sample_batch), desc=f"{split} shard {k}", leave=False):
@@ -97,11 +100,11 @@ class DistillDataModule(L.LightningDataModule):
                        for i in range(n)]
             cond = backbone.prompt_ids(prompts)
             codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
-                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)]))
+                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device))
             s_cond, tok = teacher_states(backbone, cond, codes)
             s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
-            states.append(torch.stack([s_cond, s_null], 1).half().numpy())
-            ids.append(tok.int().numpy())
+            states.append(torch.stack([s_cond, s_null], 1).half().cpu().numpy())
+            ids.append(tok.int().cpu().numpy())
         # atomic: an interrupted stage resumes at this shard
         atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
 

@@ -35,6 +35,9 @@ class DistillModule(L.LightningModule):
     def setup(self, stage: str | None = None):
         self.backbone.to(self.device).eval()
 
+    def on_fit_start(self):  # Lightning moves the module to its device after setup(): follow it
+        self.backbone.to(self.device).eval()
+
     def tasks(self) -> list[tuple[str, int]]:
         """(prediction name, sequence offset) pairs the drafter is trained on."""
         stride = self.backbone.grid.stride

@@ -58,6 +58,9 @@ class MARDraftModule(_Base):
     def setup(self, stage=None):
         self.target.to(self.device).eval()
 
+    def on_fit_start(self):  # Lightning moves the module to its device after setup(): follow it
+        self.target.to(self.device).eval()
+
     def training_step(self, batch, batch_idx):
         x0, prompts = batch["latents"], batch["prompt"]
         B, Lq, d = x0.shape

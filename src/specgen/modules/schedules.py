@@ -16,6 +16,11 @@ def adamw_warmup_cosine(module, params, lr: float, warmup_steps: int, weight_dec
     import torch
 
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
-    total = max(module.trainer.estimated_stepping_batches, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps, total))
+    fallback = max(module.trainer.estimated_stepping_batches, 1)
+
+    def total() -> int:  # read at every step: a TimeBudget callback may shorten the fit after it started
+        steps = module.trainer.max_steps
+        return steps if steps and steps > 0 else fallback
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup_steps, total()))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -48,10 +48,29 @@ class TokenShards(Dataset):
         return {"prompt": str(self.prompts[i]), self.key: torch.from_numpy(x)}
 
 
+class _Examples(Dataset):
+    """The deterministic example stream at given indices, rendered in DataLoader workers."""
+
+    def __init__(self, indices: range, split: str, seed: int, image_size: int, textured_frac: float):
+        self.indices, self.split, self.seed, self.size, self.textured = indices, split, seed, image_size, textured_frac
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        meta, img, _ = example(self.indices[i], self.split, self.seed, self.size, self.textured)
+        return meta["prompt"], img
+
+
+def _stack(items):
+    return torch.from_numpy(np.stack([img for _, img in items])), [p for p, _ in items]
+
+
 class ShapesTokenDataModule(L.LightningDataModule):
     def __init__(self, tokenizer_dir: str, cache_dir: str, image_size: int = 64, train_shards: int = 12,
                  val_shards: int = 1, shard_size: int = 10_000, textured_frac: float = 0.0, batch_size: int = 32,
-                 num_workers: int = 0, seed: int = 0, encode_batch: int = 256):
+                 num_workers: int = 0, seed: int = 0, encode_batch: int = 256, encode_device: str = "auto",
+                 render_workers: int = 0):
         super().__init__()
         for name, value in (("train_shards", train_shards), ("val_shards", val_shards), ("shard_size", shard_size),
                             ("batch_size", batch_size), ("encode_batch", encode_batch)):
@@ -73,21 +92,25 @@ class ShapesTokenDataModule(L.LightningDataModule):
         todo = missing_shards(self._shard_path, {"train": h.train_shards, "val": h.val_shards})
         if not todo:
             return
-        tokenizer = load_exported(h.tokenizer_dir)
+        device = h.encode_device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        tokenizer = load_exported(h.tokenizer_dir, device)
         for split, k in tqdm(todo, desc="tokenizing shards", unit="shard"):
-            self._write_shard(tokenizer, split, k)
+            self._write_shard(tokenizer, split, k, device)
 
     @torch.no_grad()
-    def _write_shard(self, tokenizer, split: str, k: int):
+    def _write_shard(self, tokenizer, split: str, k: int, device: str = "cpu"):
         h = self.hparams
         codes, prompts = [], []
-        for start in tqdm(range(0, h.shard_size, h.encode_batch), desc=f"{split} shard {k}", leave=False):
-            idx = range(k * h.shard_size + start, k * h.shard_size + min(start + h.encode_batch, h.shard_size))
-            batch = [example(i, split, h.seed, h.image_size, h.textured_frac) for i in idx]
-            images = torch.from_numpy(np.stack([img for _, img, _ in batch])).permute(0, 3, 1, 2)
-            enc = tokenizer.encode(images).numpy()  # VQ: codes (B, h, w); KL: scaled latents (B, L, d)
+        stream = _Examples(range(k * h.shard_size, (k + 1) * h.shard_size), split, h.seed, h.image_size,
+                           h.textured_frac)
+        loader = DataLoader(stream, batch_size=h.encode_batch, num_workers=h.render_workers, collate_fn=_stack)
+        for images, batch_prompts in tqdm(loader, desc=f"{split} shard {k}", leave=False):
+            # VQ: codes (B, h, w); KL: scaled latents (B, L, d)
+            enc = tokenizer.encode(images.permute(0, 3, 1, 2).to(device)).cpu().numpy()
             codes.append(enc.astype(np.uint16) if enc.dtype.kind == "i" else enc.astype(np.float16))
-            prompts += [meta["prompt"] for meta, _, _ in batch]
+            prompts += batch_prompts
         data = np.concatenate(codes)
         atomic_savez(self._shard_path(split, k), **{"codes" if data.dtype == np.uint16 else "latents": data},
                      prompts=np.asarray(prompts))

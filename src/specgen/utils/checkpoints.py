@@ -46,11 +46,20 @@ def missing_shards(shard_path, counts: dict[str, int]) -> list[tuple[str, int]]:
 
 
 def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict, metrics: dict | None = None,
-           command: str | None = None, extra: dict | None = None) -> Path:
-    """Save a module's weights and the config that builds it into `dirpath`."""
+           command: str | None = None, extra: dict | None = None, weights_dtype: str = "float32") -> Path:
+    """Save a module's weights and the config that builds it into `dirpath`.
+
+    `weights_dtype="float16"` stores fp32 *parameters* in half precision (half the size on disk;
+    they load back into the fp32 module); buffers (e.g. diffusion schedules) keep their dtype.
+    """
+    if weights_dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"weights_dtype={weights_dtype!r}: use float32, float16 or bfloat16")
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
+    params = {k for k, _ in net.named_parameters()}
+    cast = getattr(torch, weights_dtype)
+    state = {k: (v.detach().to(cast) if k in params and v.dtype == torch.float32 else v.detach()).cpu().contiguous()
+             for k, v in net.state_dict().items()}
     fd, tmp = tempfile.mkstemp(dir=dirpath, prefix=".model.")
     os.close(fd)
     save_file(state, tmp)
