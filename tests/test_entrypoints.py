@@ -127,3 +127,76 @@ def test_slurm_launcher_config_composes():
         cfg = compose("eval", overrides=["hydra/launcher=slurm", "hydra.launcher.partition=gpu"],
                       return_hydra_config=True)
     assert cfg.hydra.launcher.partition == "gpu" and "SlurmLauncher" in cfg.hydra.launcher._target_
+
+
+def test_time_budget_sets_the_step_count_and_the_schedule_follows(tmp_path, tiny_exports):
+    """A budget much shorter than max_steps: the run stops early, at the step count the callback chose, with
+    the learning rate at its cosine floor there (the schedule read the new end)."""
+    from specgen.train import train
+
+    base = [o for o in _tiny_train("ar_shapes_draft_train", tiny_exports) if "val_geneval" not in o]
+    cfg = compose_cfg("train", base + [
+        "trainer.max_steps=100000", "module.warmup_steps=2", "logger=csv", "export_name=budget",
+        "callbacks.time_budget.seconds=6", "callbacks.time_budget.calibrate_from=2",
+        "callbacks.time_budget.calibrate_to=6", "trainer.val_check_interval=1000"], tmp_path)
+    metrics = train(cfg)
+    chosen = int(metrics["budget/max_steps"])
+    assert 6 < chosen < 100000
+    exported = (tmp_path / "checkpoints" / "budget" / "metrics.json").read_text()
+    assert f'"global_step": {chosen}' in exported
+    lr = metrics["lr-AdamW/pg1"]  # logged before the last step: within a few steps of the floor (0.1 x peak)
+    assert lr < 0.15 * cfg.module.lr
+
+
+def test_time_budget_rejects_bad_settings():
+    from specgen.modules.callbacks import TimeBudget
+
+    with pytest.raises(ValueError, match=r"seconds=-1.*positive"):
+        TimeBudget(seconds=-1)
+    with pytest.raises(ValueError, match="calibrate_from=5 must be below calibrate_to=5"):
+        TimeBudget(seconds=10, calibrate_from=5, calibrate_to=5)
+
+
+def test_half_precision_export_halves_parameters_and_keeps_buffers(tmp_path):
+    from safetensors.torch import load_file
+
+    from specgen.utils.checkpoints import export, load_exported
+
+    cfg = {"_target_": "specgen.tokenizers.vq.VQAutoencoder", "image_size": 64, "ch": 16, "mults": [2, 2],
+           "z_dim": 8, "num_codes": 64}  # fp32 parameters and fp32 buffers (codebook, EMA counts)
+    net = instantiate(cfg)
+    export(tmp_path / "half", net, cfg, weights_dtype="float16")
+    stored = load_file(str(tmp_path / "half" / "model.safetensors"))
+    params = dict(net.named_parameters())
+    assert all(stored[k].dtype == torch.float16 for k in params)
+    buffers = {k: v for k, v in net.state_dict().items() if k not in params}
+    assert buffers and all(stored[k].dtype == v.dtype for k, v in buffers.items())
+    back = load_exported(tmp_path / "half")
+    for k, p in back.named_parameters():
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p, params[k].detach().half().float())
+    with pytest.raises(ValueError, match="weights_dtype='int8'"):
+        export(tmp_path / "bad", net, cfg, weights_dtype="int8")
+
+
+def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_exports):
+    """prepare_only (with rendering in workers) writes the same shards as the in-process path."""
+    import numpy as np
+
+    from specgen.train import train
+
+    over = _tiny_train("ar_shapes_train", tiny_exports) + ["prepare_only=true", "data.render_workers=2"]
+    cfg = compose_cfg("train", over, tmp_path)
+    assert train(cfg) == {}
+    shards = sorted((tmp_path / "data" / "shapes_tokens").rglob("*.npz"))
+    assert [p.name for p in shards] == ["train_00000.npz", "val_00000.npz"]
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    from specgen.modules.data import example
+    from specgen.utils.checkpoints import load_exported
+
+    a = np.load(shards[0])
+    tok = load_exported(tiny_exports / "vq")
+
+    imgs = torch.from_numpy(np.stack([example(i, "train", cfg.seed, 64, 0.0)[1] for i in range(4)])).permute(0, 3, 1, 2)
+    assert (a["codes"][:4] == tok.encode(imgs).numpy()).all()
+    assert list(a["prompts"][:2]) == [example(i, "train", cfg.seed, 64, 0.0)[0]["prompt"] for i in range(2)]
