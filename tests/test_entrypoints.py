@@ -200,3 +200,18 @@ def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_export
     imgs = torch.from_numpy(np.stack([example(i, "train", cfg.seed, 64, 0.0)[1] for i in range(4)])).permute(0, 3, 1, 2)
     assert (a["codes"][:4] == tok.encode(imgs).numpy()).all()
     assert list(a["prompts"][:2]) == [example(i, "train", cfg.seed, 64, 0.0)[0]["prompt"] for i in range(2)]
+
+
+def test_init_from_starts_the_network_from_an_export(tmp_path, tiny_exports):
+    from specgen.train import train
+    from specgen.utils.checkpoints import load_exported
+
+    base = _tiny_train("ar_shapes_train", tiny_exports) + ["logger=none", "export_name=cont", "trainer.max_steps=1",
+                                                           "module.lr=1e-12", "module.warmup_steps=1",
+                                                           "trainer.val_check_interval=1"]
+    train(compose_cfg("train", base + [f"init_from={tiny_exports / 'ar'}"], tmp_path))
+    src, out = load_exported(tiny_exports / "ar"), load_exported(tmp_path / "checkpoints" / "cont")
+    for (k, a), (_, b) in zip(src.state_dict().items(), out.state_dict().items()):  # lr ~ 0: weights kept
+        torch.testing.assert_close(a.half().float(), b, msg=k)
+    with pytest.raises(FileNotFoundError, match="init_from=.*no model.safetensors"):
+        train(compose_cfg("train", base + [f"init_from={tmp_path / 'nowhere'}"], tmp_path / "b"))

@@ -26,6 +26,21 @@ def _resume_path(cfg: DictConfig) -> str | None:
     return cfg.ckpt_path
 
 
+def _init_weights(module: L.LightningModule, dirpath: str) -> None:
+    """Start `module.net` from an exported model folder (fine-tuning / continued training with a new schedule)."""
+    from safetensors.torch import load_file
+
+    weights = Path(dirpath) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"init_from={dirpath!r} has no model.safetensors: give an exported model folder "
+                                f"(e.g. checkpoints/ar_shapes) or null")
+    missing, unexpected = module.net.load_state_dict(load_file(str(weights)), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"init_from={dirpath!r} does not match the configured network: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}; use the backbone/drafter config the export was made with")
+    log.info("initialised %s from %s", type(module.net).__name__, dirpath)
+
+
 @task_wrapper
 def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True)
@@ -37,6 +52,8 @@ def train(cfg: DictConfig) -> dict:
         log.info("prepare_only: data of %s is ready", type(datamodule).__name__)
         return {}
     module: L.LightningModule = instantiate(cfg.module, _convert_="all")
+    if cfg.get("init_from"):
+        _init_weights(module, cfg.init_from)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     if not loggers:  # nothing to monitor into (logger=none)
