@@ -12,8 +12,11 @@ class GenEval:
 
     def __init__(self, split: str = "test", prompts_per_task: int | None = 12, samples_per_prompt: int = 4,
                  metadata_file: str | None = None, detector=None, thresholds: Thresholds | None = None,
-                 layout_dir: str | None = None):
+                 layout_dir: str | None = None, images_per_task: int | None = None):
+        if images_per_task is not None and images_per_task < 1:
+            raise ValueError(f"images_per_task={images_per_task!r}: give a positive number or null")
         self.split, self.prompts_per_task, self.samples = split, prompts_per_task, samples_per_prompt
+        self.images_per_task = images_per_task
         self.metadata_file, self.layout_dir = metadata_file, layout_dir
         self.detector = detector or ShapesDetector()
         self.thresholds = thresholds or Thresholds()
@@ -27,8 +30,21 @@ class GenEval:
             items = [m for t in TASKS for m in prompts(t, self.split)[: self.prompts_per_task]]
         return items
 
+    def samples_for(self, items: list[dict]) -> dict[str, int]:
+        """Samples per prompt of each task: `samples_per_prompt`, raised where a task has few prompts so that
+        every task gets at least `images_per_task` images (tight intervals for small tasks such as
+        single_object, whose held-out split has a handful of prompts)."""
+        counts: dict[str, int] = {}
+        for m in items:
+            counts[m["tag"]] = counts.get(m["tag"], 0) + 1
+        if self.images_per_task is None:
+            return {t: self.samples for t in counts}
+        return {t: max(self.samples, -(-self.images_per_task // n)) for t, n in counts.items()}
+
     def jobs(self, seed: int) -> list[Job]:
-        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m) for m in self.metadata() for k in range(self.samples)]
+        items = self.metadata()
+        per = self.samples_for(items)
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m) for m in items for k in range(per[m["tag"]])]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
         if self.layout_dir is not None:  # the official evaluator can be run on this folder

@@ -92,14 +92,68 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     prompts = [m["prompt"] for m in _mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
     speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
     metrics.update(speed)
-    for name in strategies:  # headline acceptance rate of speculative strategies
-        if f"{name}/speed/accept_rate" in speed:
+    grid = getattr(backbone, "grid", None)
+    for name in strategies:
+        if f"{name}/speed/accept_rate" in speed:  # headline acceptance rate of speculative strategies
             metrics[f"{name}/accept_rate"] = speed[f"{name}/speed/accept_rate"]
+        if grid is not None:  # visual tokens per target pass (plain AR: just under 1)
+            for key in [k for k in speed if k.startswith(f"{name}/speed/nfe") and "ratio" not in k]:
+                metrics[key.replace("/nfe", "/accept_len")] = grid.num_visual_tokens / speed[key]
+    ref = next(iter(cfg.strategies.values()))
+    if grid is not None and ref.name == "ar" and cfg.speed.get("entropy_prompts", 0):
+        from specgen.evaluation.entropy import token_entropy
+
+        fn = ref.fn
+        ent = token_entropy(backbone, prompts[: cfg.speed.entropy_prompts], fn.get("cfg_scale", 1.0),
+                            fn.get("temperature", 1.0), fn.get("top_k"), seed=cfg.seed)
+        metrics.update({f"ar/{k}": v for k, v in ent.items()})
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _write_csv(out_dir / "results.csv", rows)
+    names = list(strategies)
+    if benchmarks and any(f"{n}/geneval/overall" in metrics for n in names):
+        speed_quality_png(metrics, names, out_dir / "speed_quality.png", min(cfg.speed.batch_sizes))
     _log(cfg, metrics, None, rows)
     print(format_table(metrics))
+    print(summary_table(metrics, names, list(cfg.speed.batch_sizes)))
     return metrics
+
+
+def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
+    """One row per strategy: passes, ratios against the reference, tokens per pass, GenEval with its interval."""
+    cols = [("nfe", "{:.1f}"), ("nfe_ratio", "{:.2f}")] + [(f"wall_ratio_bs{b}", "{:.2f}") for b in batch_sizes] \
+        + [("accept_len", "{:.2f}")]
+    head = f"{'strategy':<14}" + "".join(f"{c:>16}" for c, _ in cols) + f"{'geneval':>18}"
+    lines = [head]
+    for n in names:
+        cells = "".join(f"{fmt.format(metrics[f'{n}/speed/{c}']):>16}" if f"{n}/speed/{c}" in metrics
+                        else f"{'-':>16}" for c, fmt in cols)
+        q = metrics.get(f"{n}/geneval/overall")
+        ci = metrics.get(f"{n}/geneval/overall_ci95", 0.0)
+        lines.append(f"{n:<14}{cells}{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}")
+    return "\n".join(lines)
+
+
+def speed_quality_png(metrics: dict[str, float], names: list[str], path: Path, batch_size: int) -> None:
+    """GenEval overall (95% interval) against the wall-clock speed-up at `batch_size`, one point per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
+    for n in names:
+        x = metrics.get(f"{n}/speed/wall_ratio_bs{batch_size}", metrics.get(f"{n}/speed/wall_ratio"))
+        y = metrics.get(f"{n}/geneval/overall")
+        if x is None or y is None:
+            continue
+        ax.errorbar([x], [y], yerr=[metrics.get(f"{n}/geneval/overall_ci95", 0.0)], fmt="o", capsize=3)
+        ax.annotate(n, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"wall-clock speed-up over {names[0]} (batch {batch_size})")
+    ax.set_ylabel("GenEval overall (95% interval)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
