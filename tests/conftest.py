@@ -29,6 +29,8 @@ def tiny_exports(tmp_path_factory):
     export(root / "vq", instantiate(vq_cfg), vq_cfg)
     export(root / "ar", instantiate(ar_cfg), ar_cfg)
     export(root / "fphi", instantiate(fphi_cfg), fphi_cfg)
+    mtp_cfg = {"_target_": "specgen.drafters.mtp.MTPHeads", "hidden_size": 64, "num_heads": 2}
+    export(root / "mtp", instantiate(mtp_cfg), mtp_cfg)
     kl_cfg = {"_target_": "specgen.tokenizers.kl.KLAutoencoder", "image_size": 64, "ch": 16, "mults": [2, 2],
               "z_dim": 8}
     export(root / "kl", instantiate(kl_cfg), kl_cfg)

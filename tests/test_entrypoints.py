@@ -11,8 +11,7 @@ from specgen.utils.hydra import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml"))
 # training experiments choose a LightningModule (directly or through the experiment they extend)
-TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "override /module" in Path(CONFIG_DIR, "experiment", f"{e}.yaml")
-                     .read_text() or e.endswith("_train")]
+TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "export_name:" in Path(CONFIG_DIR, "experiment", f"{e}.yaml").read_text()]
 
 
 def _tiny_train(exp: str, exports: Path) -> list[str]:
@@ -26,7 +25,7 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
               "module.val_geneval.prompts_per_task=1", "module.val_geneval.samples=1"]
-    elif exp in ("fphi_shapes", "mtp_shapes"):  # drafters distilled from the tiny exported backbone
+    elif exp in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes"):  # drafters distilled from the tiny exported backbone
         o = [f"experiment={exp}", f"data.backbone_dir={exports / 'ar'}", f"data.tokenizer_dir={exports / 'vq'}",
              "data.shard_size=4", "data.sample_batch=4", "data.train_shards=1", "data.batch_size=2",
              "drafter.hidden_size=64", "num_threads=1"]
@@ -60,6 +59,7 @@ def test_every_config_group_option_composes(tmp_path):
                                        ("mar_draft_train", []),
                                        ("ar_shapes_train", ["backbone.eol=true"]),
                                        ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
+                                       ("fphi_tokens_shapes", ["drafter.num_codes=64"]),
                                        ("mtp_shapes", [])])
 def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
     """Every LightningModule trains and validates one batch (both row layouts of the backbone)."""

@@ -208,3 +208,50 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                 "target/geneval/overall", "cspd/geneval/overall", "cspd/geneval/overall_ci95"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0
+
+
+def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, capsys):
+    """Every strategy in one run: flat keys the papers' tables need, the summary table and the PNGs."""
+    import json
+
+    from specgen.eval import evaluate as run_eval
+
+    strategies = ("ar", "ssd", "ssd_exact", "sjd", "zipar", "mtp1d", "specdec")
+    drafters = {"ssd": "fphi", "ssd_exact": "fphi", "mtp1d": "mtp", "specdec": "ar"}
+    cfg = compose_cfg("eval", ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
+                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
+                               "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2",
+                               "speed.num_prompts=2", "speed.batch_sizes=[1,2]", "speed.entropy_prompts=2",
+                               "logger=csv", *[f"strategies.{s}.fn.drafter.dirpath={tiny_exports / d}"
+                                               for s, d in drafters.items()]], tmp_path)
+    m = run_eval(cfg)
+    for s in strategies:
+        for key in ("speed/nfe", "speed/nfe_ratio", "speed/latency_s", "speed/wall_ratio", "speed/wall_ratio_bs1",
+                    "speed/accept_len", "geneval/overall", "geneval/overall_ci95", *[f"geneval/{t}" for t in
+                                                                                      ("single_object", "two_object", "counting", "colors", "position", "color_attr")]):
+            assert f"{s}/{key}" in m, f"{s}/{key}"
+    assert m["ar/speed/nfe_ratio"] == 1.0 and m["ar/token_entropy"] > 0
+    assert m["ssd/speed/accept_len"] == pytest.approx(256 / m["ssd/speed/nfe"])
+    assert m["ar/num_images"] == 12  # images_per_task=2 with one prompt per task: 2 samples each
+    out = Path(cfg.paths.output_dir)
+    assert json.loads((out / "metrics.json").read_text()) == pytest.approx(m)
+    assert (out / "speed_quality.png").stat().st_size > 0 and (out / "accept_map_ssd.png").is_file()
+    table = capsys.readouterr().out
+    assert all(f"\n{s} " in table for s in strategies) and "GenEval (95%)" in table
+
+
+def test_collect_keeps_strategy_names_of_side_by_side_jobs(tmp_path):
+    """Ablation sweeps run AR and one variant per job: their metrics must not collide in the table."""
+    from specgen.evaluation.collect import collect, format_rows
+
+    for i, r in enumerate((0, 2)):
+        job = tmp_path / str(i)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=ssd_ablation\n- strategies.ssd.fn.rounds={r}\n")
+        (job / "metrics.json").write_text(json.dumps({"ar/speed/nfe": 272.0, "ssd/speed/nfe": 20.0 + 10 * r,
+                                                      "ssd/speed/nfe_ratio": 272.0 / (20 + 10 * r)}))
+    rows = collect(tmp_path, ["ssd/speed/nfe_ratio", "ar/speed/nfe"])
+    assert [r["strategies.ssd.fn.rounds"] for r in rows] == ["0", "2"]
+    assert rows[0]["ssd/speed/nfe_ratio"] == pytest.approx(13.6) and rows[1]["ar/speed/nfe"] == 272.0
+    assert "ssd/speed/nfe" not in rows[0] and rows[0]["decoding"] == "ar+ssd"
+    assert "strategies.ssd.fn.rounds" in format_rows(rows)

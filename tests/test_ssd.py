@@ -191,3 +191,18 @@ def test_greedy_decoders_equal_ar_on_the_shipped_backbone_and_images_hold_object
             "specdec": specdec.generate(m, p, draft, cfg_scale=2.0, temperature=0, window=4)[0]}
     for name, out in outs.items():
         assert torch.equal(out, ref), name
+
+
+@pytest.mark.parametrize("eol", [True, False])
+def test_token_id_drafter_plugs_into_ssd_and_stays_exact(eol):
+    """The token-space ablation drafter goes through the same verification: greedy output equals AR."""
+    from specgen.drafters.fphi import TokenDrafter
+
+    m = tiny(eol)
+    torch.manual_seed(5)
+    drafter = TokenDrafter(m.hidden_size, m.grid.num_visual, preset="xs")
+    p = m.prompt_ids(PROMPTS)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    for kw in (dict(rounds=m.grid.width), dict(exact=True)):
+        out, st = ssd.generate(m, p, drafter, cfg_scale=3.0, temperature=0, **kw)
+        assert torch.equal(out, ref) and st["draft_calls"] > 0

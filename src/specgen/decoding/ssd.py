@@ -28,11 +28,13 @@ def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.T
     """Chain f_phi.right from the target state at `start` through known tokens into row `row`."""
     g = run.g
     h = run.hid[:, start]  # (B', D)
+    tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"  # ablation: the drafter gives code logits
+    is_state = True  # h is a target state until the drafter has run once
     first = g.position(row, 0)
     codes, qs = [], []
     for pos in range(start + 1, g.position(row, g.width - 1) + 1):
         if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
-            q = run.dist(h)  # (B, Vv)
+            q = run.dist(h) if is_state else run.dist_logits(h)  # (B, Vv)
             tok = sample_probs(q, run.gens)
             codes.append(tok)
             qs.append(q)
@@ -41,6 +43,7 @@ def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.T
             ids = run.seq[:, pos]
         if pos < g.position(row, g.width - 1):
             h = drafter.right(h, run.bb.embed(ids))
+            is_state = not tokens_out
             run.draft_calls += 1
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
 
@@ -49,9 +52,9 @@ def _draft_down(run: SpecState, drafter, row: int) -> tuple[torch.Tensor, torch.
     """All columns of `row` at once: f_phi.down(h_{P(row-1, c) - 1}, e(x_{row-1, c}))."""
     g = run.g
     above = g.position(row - 1, torch.arange(g.width, device=run.seq.device))  # (W,)
-    h = drafter.down(run.hid[:, above - 1], run.bb.embed(run.seq[:, above]))  # (B', W, D)
+    h = drafter.down(run.hid[:, above - 1], run.bb.embed(run.seq[:, above]))  # (B', W, D) or code logits
     run.draft_calls += 1
-    q = run.dist(h)
+    q = run.dist_logits(h) if getattr(drafter, "predicts", "hidden") == "tokens" else run.dist(h)
     return sample_probs(q, run.gens), q
 
 

@@ -41,7 +41,10 @@ class SpecState:
     def dist(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes."""
         g = self.g
-        logits = self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+        return self.dist_logits(self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual])
+
+    def dist_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B', ..., Vv) visual-code logits -> (B, ..., Vv) sampling distributions (guided, warped)."""
         if self.reps == 2:
             logits = guide(logits, self.cfg_scale)
         return probs(logits.float(), self.temperature, self.top_k)

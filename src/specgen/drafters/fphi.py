@@ -62,3 +62,44 @@ class FPhi(nn.Module):
 
     def down(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         return self(hidden, next_embed, "down")
+
+
+class TokenDrafter(nn.Module):
+    """Ablation of f_phi that drafts token ids directly instead of hidden states.
+
+    From the embedding of the token x_{q+1} alone (no hidden state in, none out) it gives logits over the
+    visual codes of the token one step right or one row down, through its own output layer. SSD uses it in
+    place of f_phi unchanged otherwise; the distillation trains it on the same head-distribution term
+    (there is no state to regress). SSD's paper reports that such token-space drafts are rarely accepted.
+    """
+
+    predicts = "tokens"
+
+    def __init__(self, hidden_size: int, num_codes: int, preset: str = "s", width_mult: int | None = None,
+                 blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):
+        super().__init__()
+        if preset not in PRESETS:
+            raise ValueError(f"unknown drafter preset {preset!r}: expected one of {sorted(PRESETS)}")
+        bad = [d for d in directions if d not in DIRECTIONS]
+        if bad:
+            raise ValueError(f"unknown drafter directions {bad}: expected a subset of {DIRECTIONS}")
+        mult, n_blocks = PRESETS[preset]
+        width = (width_mult or mult) * hidden_size
+        self.hidden_size, self.num_codes = hidden_size, num_codes
+        self.directions, self.backbone_id = tuple(directions), backbone_id
+        self.nets = nn.ModuleDict({
+            d: nn.Sequential(nn.Linear(hidden_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
+                             nn.LayerNorm(width), nn.Linear(width, num_codes))
+            for d in directions})
+
+    def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
+        """(..., D) state (unused) and (..., D) embedding of x_{q+1} -> (..., num_codes) visual-code logits."""
+        if direction not in self.nets:
+            raise ValueError(f"this drafter predicts {self.directions}, not {direction!r}")
+        return self.nets[direction](next_embed)
+
+    def right(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        return self(hidden, next_embed, "right")
+
+    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        return self(hidden, next_embed, "down")

@@ -18,7 +18,8 @@ import yaml
 from specgen.utils.checkpoints import atomic_write_text
 
 
-def collect(root: str | Path, pattern: str = "") -> list[dict]:
+def collect(root: str | Path, pattern: str | list[str] = "") -> list[dict]:
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern) or [""]
     rows = []
     for metrics_file in sorted(Path(root).rglob("metrics.json"), key=lambda p: str(p)):
         job = metrics_file.parent
@@ -27,9 +28,14 @@ def collect(root: str | Path, pattern: str = "") -> list[dict]:
         row = {"job": str(job.relative_to(root)) if job != Path(root) else "."}
         row.update(o.split("=", 1) for o in overrides if "=" in o and not o.startswith("hydra."))
         metrics = json.loads(metrics_file.read_text())
-        # strip the decoding prefix so that jobs with different strategies share columns
-        row.update({k.split("/", 1)[1] if "/" in k else k: v for k, v in metrics.items() if pattern in k})
-        row["decoding"] = next(iter(metrics)).split("/", 1)[0] if metrics else ""
+        prefixes = {k.split("/", 1)[0] for k in metrics if "/" in k}
+        keep = {k: v for k, v in metrics.items() if any(p in k for p in patterns)}
+        if len(prefixes) == 1:  # one strategy per job: strip its prefix so that jobs share columns
+            row.update({k.split("/", 1)[1] if "/" in k else k: v for k, v in keep.items()})
+            row["decoding"] = next(iter(prefixes))
+        else:  # side-by-side jobs (several strategies): keep <strategy>/<metric>
+            row.update(keep)
+            row["decoding"] = "+".join(sorted(prefixes))
         rows.append(row)
     if not rows:
         raise FileNotFoundError(f"no metrics.json under {str(root)!r}: point at a run or sweep folder of specgen.eval")
@@ -82,7 +88,8 @@ def _fmt(v) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", help="a sweep folder (logs/<task>/multiruns/<time>) or a run folder")
-    ap.add_argument("--metrics", default="", help="keep metrics whose name contains this (e.g. geneval)")
+    ap.add_argument("--metrics", nargs="+", default=[""],
+                    help="keep metrics whose name contains any of these (e.g. geneval, ssd/speed/nfe_ratio)")
     ap.add_argument("--out", default=None, help="also write the table as CSV here")
     ap.add_argument("--plot", nargs=2, metavar=("X", "Y"), default=None,
                     help="also write <root>/pareto.png of metric Y against X, e.g. speed/wall_ratio geneval/overall")

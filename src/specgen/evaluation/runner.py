@@ -54,7 +54,8 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
     cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
     log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
-    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, cfg.batch_size, desc=f"{name}")
+    batch = decoding.get("batch_size") or cfg.batch_size  # a strategy may ask for smaller batches (SJD)
+    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, batch, desc=f"{name}")
     by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
     metrics, rows = {}, []
     for bench, jobs in zip(benchmarks, jobs_per_bench):
@@ -119,17 +120,26 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
 
 
 def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
-    """One row per strategy: passes, ratios against the reference, tokens per pass, GenEval with its interval."""
-    cols = [("nfe", "{:.1f}"), ("nfe_ratio", "{:.2f}")] + [(f"wall_ratio_bs{b}", "{:.2f}") for b in batch_sizes] \
-        + [("accept_len", "{:.2f}")]
-    head = f"{'strategy':<14}" + "".join(f"{c:>16}" for c, _ in cols) + f"{'geneval':>18}"
-    lines = [head]
+    """One row per strategy: passes and ratios against the reference, tokens per pass, and every quality
+    benchmark that ran (GenEval with its 95% interval, DPG, CLIPScore, FID with its sample size)."""
+    cols = [("speed/nfe", "nfe", "{:.1f}"), ("speed/nfe_ratio", "nfe ratio", "{:.2f}")] \
+        + [(f"speed/wall_ratio_bs{b}", f"wall x bs{b}", "{:.2f}") for b in batch_sizes] \
+        + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
+           ("dpg/overall", "DPG", "{:.1f}"), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
+           ("fidelity/fid", "FID", "{:.2f}")]
+    cols = [c for c in cols if any(f"{n}/{c[0]}" in metrics for n in names)]
+    fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
+    heads = [label + (f" (n={int(fid_n)})" if key == "fidelity/fid" and fid_n else "") for key, label, _ in cols]
+    has_geneval = any(f"{n}/geneval/overall" in metrics for n in names)
+    lines = [f"{'strategy':<14}" + "".join(f"{h:>14}" for h in heads) + (f"{'GenEval (95%)':>18}" if has_geneval else "")]
     for n in names:
-        cells = "".join(f"{fmt.format(metrics[f'{n}/speed/{c}']):>16}" if f"{n}/speed/{c}" in metrics
-                        else f"{'-':>16}" for c, fmt in cols)
-        q = metrics.get(f"{n}/geneval/overall")
-        ci = metrics.get(f"{n}/geneval/overall_ci95", 0.0)
-        lines.append(f"{n:<14}{cells}{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}")
+        cells = "".join(f"{fmt.format(metrics[f'{n}/{key}']):>14}" if f"{n}/{key}" in metrics else f"{'-':>14}"
+                        for key, _, fmt in cols)
+        if has_geneval:
+            q = metrics.get(f"{n}/geneval/overall")
+            ci = metrics.get(f"{n}/geneval/overall_ci95", 0.0)
+            cells += f"{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}"
+        lines.append(f"{n:<14}{cells}")
     return "\n".join(lines)
 
 

@@ -56,14 +56,18 @@ class DistillModule(L.LightningModule):
         for name, off in self.tasks():
             h, e, target = states[:, :-off], embeds[:, :-off], states[:, off:]
             pred = self.net(h, e, name)
-            rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
-            feat = ((pred - target) / rms).pow(2).mean()
             with torch.no_grad():
                 t_logits = self._visual(target)
-            p_logits = self._visual(pred)
+            if getattr(self.net, "predicts", "hidden") == "tokens":  # ablation: code logits, no state to regress
+                feat, p_logits = torch.zeros((), device=pred.device), pred
+            else:
+                rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
+                feat = ((pred - target) / rms).pow(2).mean()
+                p_logits = self._visual(pred)
             kl = F.kl_div(F.log_softmax(p_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
                           reduction="none").sum(-1).mean()
-            total = total + feat + self.hparams.kl_weight * kl
+            w = 1.0 if getattr(self.net, "predicts", "hidden") == "tokens" else self.hparams.kl_weight
+            total = total + feat + w * kl
             out.update({f"loss_feat_{name}": feat, f"loss_kl_{name}": kl,
                         f"top1_{name}": (p_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()})
         out["loss"] = total
