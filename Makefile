@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN ?= logs/quickstart
 
-.PHONY: setup quickstart test test-slow retrain-tokenizer retrain-backbone clean
+.PHONY: setup quickstart test test-slow benchmark retrain-tokenizer retrain-backbone retrain-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,12 @@ test: setup
 
 test-slow: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -m slow -q
+
+benchmark: setup
+	$(BIN)/python -m specgen.eval experiment=discrete_speed hydra.run.dir=logs/discrete_speed
+
+retrain-gpu: setup
+	PY=$(BIN)/python bash experiments/gpu_retrain/run.sh
 
 retrain-tokenizer: setup
 	$(BIN)/python -m specgen.train experiment=vq_shapes hydra.run.dir=logs/vq_shapes/run0
