@@ -255,3 +255,19 @@ def test_collect_keeps_strategy_names_of_side_by_side_jobs(tmp_path):
     assert rows[0]["ssd/speed/nfe_ratio"] == pytest.approx(13.6) and rows[1]["ar/speed/nfe"] == 272.0
     assert "ssd/speed/nfe" not in rows[0] and rows[0]["decoding"] == "ar+ssd"
     assert "strategies.ssd.fn.rounds" in format_rows(rows)
+
+
+def test_offline_wandb_run_of_an_evaluation_holds_the_grid_and_the_table(tmp_path, tiny_exports):
+    from specgen.eval import evaluate as run_eval
+
+    cfg = _eval_cfg(tmp_path, tiny_exports, ["logger=wandb"])
+    run_eval(cfg)
+    runs = list((Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    images = list(runs[0].rglob("media/images/**/*.png"))
+    tables = list(runs[0].rglob("media/table/**/*.json"))
+    assert images and tables
+    from PIL import Image
+
+    grid = np.asarray(Image.open(images[0]))
+    assert grid.dtype == np.uint8 and grid.ndim == 3 and grid.max() > grid.min()  # a real uint8 image
