@@ -206,3 +206,40 @@ def test_token_id_drafter_plugs_into_ssd_and_stays_exact(eol):
     for kw in (dict(rounds=m.grid.width), dict(exact=True)):
         out, st = ssd.generate(m, p, drafter, cfg_scale=3.0, temperature=0, **kw)
         assert torch.equal(out, ref) and st["draft_calls"] > 0
+
+
+def test_bad_decoder_inputs_name_the_value():
+    m = tiny(True)
+    p = m.prompt_ids(PROMPTS[:1])
+    d = noisy_drafter(m)
+    with pytest.raises(ValueError, match="rounds must be >= 0, got -1"):
+        ssd.generate(m, p, d, rounds=-1)
+    with pytest.raises(ValueError, match=r"cfg_scale must lie in \[0.0, None\], got -1"):
+        ssd.generate(m, p, d, cfg_scale=-1.0)
+    with pytest.raises(ValueError, match=r"cfg_scale must lie in \[0.0, None\], got -0.5"):
+        ar.generate(m, p, cfg_scale=-0.5)
+    wide = FPhi(2 * m.hidden_size, "xs")
+    with pytest.raises(ValueError, match=rf"width {2 * m.hidden_size} but the backbone's are {m.hidden_size}"):
+        ssd.generate(m, p, wide)
+    d.backbone_id, m.identity = "aaaa", "bbbb-cccc"  # distilled from other weights (or another row layout)
+    with pytest.raises(ValueError, match="distilled from backbone weights 'aaaa' but the backbone in use is 'bbbb'"):
+        ssd.generate(m, p, d)
+    with pytest.raises(ValueError, match="distilled from backbone weights 'aaaa'"):
+        mtp1d.generate(m, p, type("H", (), {"hidden_size": m.hidden_size, "backbone_id": "aaaa", "num_heads": 2})())
+    right_only = FPhi(m.hidden_size, "xs", directions=("right",))
+    with pytest.raises(ValueError, match=r"drafts \['right', 'down'\] but the drafter predicts only \['right'\]"):
+        ssd.generate(tiny(True), p, right_only)
+    ssd.generate(tiny(True), p, right_only, vertical=False)  # horizontal-only needs no down predictor
+    with pytest.raises(ValueError, match=f"window=9 does not fit the grid: a row has {m.grid.width} tokens"):
+        zipar.generate(m, p, window=9)
+
+
+def test_exported_drafter_carries_the_backbone_it_was_distilled_from(tmp_path):
+    import json
+
+    from specgen.utils.checkpoints import export, load_exported
+
+    cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 32, "preset": "xs"}
+    export(tmp_path / "d", FPhi(32, "xs"), cfg, extra={"backbone_id": "1234abcd"})
+    assert load_exported(tmp_path / "d").backbone_id == "1234abcd"
+    assert json.loads((tmp_path / "d" / "extra.json").read_text())["backbone_id"] == "1234abcd"

@@ -37,7 +37,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     cfg_scale != 1.
     """
     g = backbone.grid
-    expect_float("cfg_scale", cfg_scale)
+    expect_float("cfg_scale", cfg_scale, 0.0)
     expect_float("temperature", temperature, 0.0)
     cfg_rows = cfg_scale != 1.0 if cfg_rows is None else cfg_rows
     ids = _batch_for_cfg(backbone, prompt_ids, cfg_rows)  # (B', P)

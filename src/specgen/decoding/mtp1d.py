@@ -11,7 +11,7 @@ import torch
 from specgen.backbones.protocol import DiscreteBackbone
 from specgen.decoding.sampling import sample_probs
 from specgen.decoding.spec1d import speculate
-from specgen.decoding.state import SpecState
+from specgen.decoding.state import SpecState, check_drafter
 from specgen.utils.validate import expect_float
 
 
@@ -51,6 +51,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
              temperature: float = 1.0, top_k: int | None = None, generators=None):
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
+    check_drafter(backbone, drafter)
     run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     stats = speculate(run, _head_drafter(drafter), window=drafter.num_heads + 1)
     return run.codes(), stats

@@ -20,7 +20,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone
 from specgen.decoding.sampling import accept_or_resample, sample_probs
-from specgen.decoding.state import SpecState
+from specgen.decoding.state import SpecState, check_drafter
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -65,6 +65,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats)."""
     expect_int("rounds", rounds, 0)
     expect_float("temperature", temperature, 0.0)
+    check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     g, B, dev = run.g, run.B, prompt_ids.device
     run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image

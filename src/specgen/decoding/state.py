@@ -5,6 +5,27 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone
 from specgen.decoding.sampling import guide, probs
+from specgen.utils.validate import expect_float
+
+
+def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = ()) -> None:
+    """A drafter must fit the backbone it serves: same width, distilled from the same weights (hence the
+    same token layout and row stride), and it must predict the offsets the decoder asks for."""
+    width = getattr(drafter, "hidden_size", None)
+    if width is not None and width != backbone.hidden_size:
+        raise ValueError(f"the drafter works on hidden states of width {width} but the backbone's are "
+                         f"{backbone.hidden_size}: distil a drafter for this backbone "
+                         f"(python -m specgen.train experiment=fphi_shapes data.backbone_dir=<backbone folder>)")
+    trained_on, using = getattr(drafter, "backbone_id", ""), getattr(backbone, "identity", "")
+    if trained_on and using and not using.startswith(trained_on):
+        raise ValueError(f"the drafter was distilled from backbone weights {trained_on!r} but the backbone in use is "
+                         f"{using.split('-')[0]!r} (another model, or another row layout): distil it again on this "
+                         f"backbone (python -m specgen.train experiment=fphi_shapes data.backbone_dir=<backbone folder>)")
+    have = getattr(drafter, "directions", None)
+    missing = [d for d in needs if have is not None and d not in have]
+    if missing:
+        raise ValueError(f"this decoder drafts {list(needs)} but the drafter predicts only {list(have)}: "
+                         f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
 
 
 class SpecState:
@@ -12,6 +33,7 @@ class SpecState:
 
     def __init__(self, backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float,
                  temperature: float, top_k: int | None, generators):
+        expect_float("cfg_scale", cfg_scale, 0.0)  # 0 = unconditional, 1 = conditional, > 1 guided
         self.bb, self.g = backbone, backbone.grid
         self.cfg_scale, self.temperature, self.top_k, self.gens = cfg_scale, temperature, top_k, generators
         self.B = prompt_ids.shape[0]

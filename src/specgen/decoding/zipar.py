@@ -32,7 +32,9 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     expect_float("temperature", temperature, 0.0)
     g = backbone.grid
     expect_int("window", window, 1)
-    window = min(window, g.width)
+    if window > g.width:
+        raise ValueError(f"window={window} does not fit the grid: a row has {g.width} tokens, so a row can wait for "
+                         f"at most {g.width} tokens of the row above (window={g.width} is plain AR)")
     B = prompt_ids.shape[0]
     ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(B)])
     reps, dev = ids.shape[0] // B, ids.device

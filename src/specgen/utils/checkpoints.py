@@ -89,4 +89,7 @@ def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu")
                                 f"there): create it with `{hint}`, or point the config at an existing folder")
     net = instantiate(OmegaConf.load(dirpath / "config.yaml"))
     net.load_state_dict(load_file(str(dirpath / "model.safetensors"), device=str(map_location)))
+    extra = dirpath / "extra.json"
+    if extra.is_file() and hasattr(net, "backbone_id"):  # drafters: the backbone they were distilled from
+        net.backbone_id = json.loads(extra.read_text()).get("backbone_id", "") or net.backbone_id
     return net.to(map_location).eval()
