@@ -271,3 +271,27 @@ def test_offline_wandb_run_of_an_evaluation_holds_the_grid_and_the_table(tmp_pat
 
     grid = np.asarray(Image.open(images[0]))
     assert grid.dtype == np.uint8 and grid.ndim == 3 and grid.max() > grid.min()  # a real uint8 image
+
+
+def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_path, tiny_exports, capsys):
+    """The README's main job on tiny models: GenEval (bool per image) and DPG (score per image) share one W&B
+    table, and the printed summary carries passes, DPG, CLIPScore and FID with its sample size."""
+    from specgen.eval import evaluate as run_eval
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    cfg = compose_cfg("eval", ["experiment=quickstart", f"generator.backbone_dir={tiny_exports / 'ar'}",
+                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
+                               "benchmark.geneval.samples_per_prompt=1", "benchmark.dpg.num_prompts=1",
+                               "benchmark.clipscore.num_prompts=2", "benchmark.fidelity.num_prompts=4",
+                               f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
+                               f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
+                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
+                               "logger=wandb"], tmp_path)
+    m = run_eval(cfg)
+    for s in ("ar", "ssd", "sjd"):
+        for key in ("geneval/overall", "dpg/overall", "clipscore/clipscore_100cos", "fidelity/fid", "speed/nfe_ratio"):
+            assert f"{s}/{key}" in m, f"{s}/{key}"
+    table = capsys.readouterr().out
+    assert "FID (n=4)" in table and "DPG" in table and "\nsjd " in table
+    runs = list((Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].rglob("media/table/**/*.json"))

@@ -231,5 +231,7 @@ def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> 
         if hasattr(logger, "log_image") and grid is not None:
             logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
         if hasattr(logger, "log_table") and rows:
-            logger.log_table("eval/results", columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            # one type per column: GenEval marks images correct (bool), DPG scores them (float)
+            data = [[float(v) if isinstance(v, bool) else v for v in r.values()] for r in rows]
+            logger.log_table("eval/results", columns=list(rows[0]), data=data)
         logger.finalize("success")
