@@ -295,3 +295,17 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
     assert "FID (n=4)" in table and "DPG" in table and "\nsjd " in table
     runs = list((Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].rglob("media/table/**/*.json"))
+
+
+def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
+    """benchmark=none on an experiment that sets GenEval sizes: speed only, no error."""
+    from specgen.eval import evaluate as run_eval
+
+    cfg = compose_cfg("eval", ["experiment=discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
+                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "~strategies.mtp1d", "~strategies.specdec",
+                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
+                               f"strategies.ssd_exact.fn.drafter.dirpath={tiny_exports / 'fphi'}",
+                               "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"],
+                      tmp_path)
+    m = run_eval(cfg)
+    assert "ssd/speed/nfe_ratio" in m and not any("/geneval/" in k for k in m)

@@ -81,7 +81,7 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     out_dir = Path(cfg.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone = instantiate(cfg.generator)
-    benchmarks = [instantiate(b) for b in (cfg.get("benchmark") or {}).values() if b is not None]
+    benchmarks = _benchmarks(cfg)
     metrics, rows = {}, []
     for dec in cfg.strategies.values():
         if benchmarks:
@@ -171,7 +171,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         return run_speed(cfg)
     out_dir = Path(cfg.paths.output_dir)
     backbone = instantiate(cfg.generator)
-    benchmarks = [instantiate(b) for b in cfg.benchmark.values() if b is not None]
+    benchmarks = _benchmarks(cfg)
     metrics, rows, grid = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     _write_csv(out_dir / "results.csv", rows)
@@ -179,6 +179,20 @@ def run(cfg: DictConfig) -> dict[str, float]:
     _log(cfg, metrics, grid, rows)
     print(format_table(metrics))
     return metrics
+
+
+def _benchmarks(cfg: DictConfig) -> list:
+    """The configured benchmarks. Entries without `_target_` are settings an experiment gave for a benchmark
+    that `benchmark=none` (or another choice) removed: they are skipped with a note, not an error."""
+    out = []
+    for name, node in (cfg.get("benchmark") or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            log.info("benchmark %r has settings but no benchmark chosen (benchmark=none?): skipped", name)
+            continue
+        out.append(instantiate(node))
+    return out
 
 
 def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
