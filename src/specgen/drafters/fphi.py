@@ -27,25 +27,32 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, width_mult: int | None,
+                    blocks: int | None, directions: tuple[str, ...], what: str) -> nn.ModuleDict:
+    """One residual MLP per draft direction, sized by a preset (checked, with the valid choices named)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown {what} preset {preset!r}: expected one of {sorted(PRESETS)}")
+    bad = [d for d in directions if d not in DIRECTIONS]
+    if bad:
+        raise ValueError(f"unknown {what} directions {bad}: expected a subset of {DIRECTIONS}")
+    mult, n_blocks = PRESETS[preset]
+    width = (width_mult or mult) * hidden_size
+    return nn.ModuleDict({
+        d: nn.Sequential(nn.Linear(in_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
+                         nn.LayerNorm(width), nn.Linear(width, out_size))
+        for d in directions})
+
+
 class FPhi(nn.Module):
     """Two-direction hidden-state predictor; each direction is a residual MLP over [h_q, e(x_{q+1})]."""
 
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):
         super().__init__()
-        if preset not in PRESETS:
-            raise ValueError(f"unknown f_phi preset {preset!r}: expected one of {sorted(PRESETS)}")
-        bad = [d for d in directions if d not in DIRECTIONS]
-        if bad:
-            raise ValueError(f"unknown f_phi directions {bad}: expected a subset of {DIRECTIONS}")
-        mult, n_blocks = PRESETS[preset]
-        width = (width_mult or mult) * hidden_size
+        self.nets = _direction_mlps(2 * hidden_size, hidden_size, hidden_size, preset, width_mult, blocks,
+                                    tuple(directions), "f_phi")
         self.hidden_size, self.directions, self.backbone_id = hidden_size, tuple(directions), backbone_id
         self.in_norm = nn.LayerNorm(hidden_size)  # pre-norm states have a large, growing scale
-        self.nets = nn.ModuleDict({
-            d: nn.Sequential(nn.Linear(2 * hidden_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
-                             nn.LayerNorm(width), nn.Linear(width, hidden_size))
-            for d in directions})
         for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
             nn.init.zeros_(net[-1].weight)
             nn.init.zeros_(net[-1].bias)
@@ -78,19 +85,10 @@ class TokenDrafter(nn.Module):
     def __init__(self, hidden_size: int, num_codes: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):
         super().__init__()
-        if preset not in PRESETS:
-            raise ValueError(f"unknown drafter preset {preset!r}: expected one of {sorted(PRESETS)}")
-        bad = [d for d in directions if d not in DIRECTIONS]
-        if bad:
-            raise ValueError(f"unknown drafter directions {bad}: expected a subset of {DIRECTIONS}")
-        mult, n_blocks = PRESETS[preset]
-        width = (width_mult or mult) * hidden_size
+        self.nets = _direction_mlps(hidden_size, num_codes, hidden_size, preset, width_mult, blocks,
+                                    tuple(directions), "drafter")
         self.hidden_size, self.num_codes = hidden_size, num_codes
         self.directions, self.backbone_id = tuple(directions), backbone_id
-        self.nets = nn.ModuleDict({
-            d: nn.Sequential(nn.Linear(hidden_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
-                             nn.LayerNorm(width), nn.Linear(width, num_codes))
-            for d in directions})
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
         """(..., D) state (unused) and (..., D) embedding of x_{q+1} -> (..., num_codes) visual-code logits."""
