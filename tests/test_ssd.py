@@ -31,7 +31,8 @@ def noisy_drafter(m: ShapesLlama) -> FPhi:
 
 @pytest.mark.parametrize("eol", [True, False])
 @pytest.mark.parametrize("kw", [dict(rounds=5), dict(exact=True), dict(rounds=5, vertical=False),
-                                dict(exact=True, vertical=False)])
+                                dict(exact=True, vertical=False), dict(rounds=0, carry=True),
+                                dict(rounds=1, carry=True, vertical=False)])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
     p = m.prompt_ids(PROMPTS)
@@ -101,6 +102,18 @@ def test_nfe_is_bounded_by_rows_times_rounds_plus_one(rounds):
     assert (st["rounds_per_row"] <= rounds + 1).all()
 
 
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_carry_spends_the_row_budget_then_only_the_flush(rounds):
+    """carry=True: at most rounds + 1 passes per row, then passes only until the last carried token is
+    final."""
+    m = tiny(True)
+    _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds, carry=True,
+                         generators=make_generators([0, 1, 2]))
+    assert st["flush_passes"] <= m.grid.num_visual_tokens
+    assert st["nfe"] <= m.grid.height * (rounds + 1) + 1 + st["flush_passes"]
+    assert (st["rounds_per_row"] <= rounds + 1).all()
+
+
 def _exact_joint(m: ShapesLlama, prompt: str, cfg_scale: float) -> np.ndarray:
     """Exact probability of every 2x2 image under the model (temperature 1), by enumeration."""
     g = m.grid
@@ -134,8 +147,8 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
     return stats.chisquare(obs, exp).pvalue
 
 
-@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "mtp1d", "specdec", "sjd",
-                                     "broken"])
+@pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "ssd_exact_argmax_draft", "mtp1d",
+                                     "specdec", "sjd", "broken"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
@@ -157,7 +170,8 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
         if decoder == "broken":
             monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))
         out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m), cfg_scale=2.0, exact=True,
-                              vertical=decoder != "ssd_exact_horizontal", generators=gens)
+                              vertical=decoder != "ssd_exact_horizontal", generators=gens,
+                              draft_temperature=0.0 if decoder == "ssd_exact_argmax_draft" else None)
     p_value = _gof_pvalue(out, joint)
     if decoder == "broken":
         assert p_value < 1e-6, p_value
@@ -167,7 +181,7 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
 
 def test_greedy_decoders_equal_ar_on_the_shipped_backbone_and_images_hold_objects():
     """The trained backbone with the shipped drafters: greedy AR at CFG 2 draws objects (checked with the
-    parser), and every verified strategy reproduces it token for token (SSD with rounds >= W, exact SSD,
+    parser), and every verified strategy reproduces it token for token (SSD with rounds >= W or carry, exact SSD,
     SJD, 1D-MTP, draft-model decoding)."""
     from pathlib import Path
 
@@ -185,6 +199,7 @@ def test_greedy_decoders_equal_ar_on_the_shipped_backbone_and_images_hold_object
     fphi, heads, draft = (load_exported(ck / n) for n in ("fphi_shapes", "mtp_shapes", "ar_shapes_draft"))
     W = m.grid.width
     outs = {"ssd": ssd.generate(m, p, fphi, cfg_scale=2.0, temperature=0, rounds=W)[0],
+            "ssd_carry": ssd.generate(m, p, fphi, cfg_scale=2.0, temperature=0, rounds=1, carry=True)[0],
             "ssd_exact": ssd.generate(m, p, fphi, cfg_scale=2.0, temperature=0, exact=True)[0],
             "sjd": sjd.generate(m, p, cfg_scale=2.0, temperature=0, window=16)[0],
             "mtp1d": mtp1d.generate(m, p, heads, cfg_scale=2.0, temperature=0)[0],

@@ -11,6 +11,16 @@ Per image row r (all images of the batch in lockstep):
 `exact=True` is standard speculative sampling instead (lossless): columns are accepted left to
 right up to the first rejection, which is corrected, and passes repeat until the row is complete.
 
+`carry=True` keeps the row budget but leaves no token unverified. After a pass, a column is final
+when no column to its left changed in that pass (it was judged with its final left context); the
+first changed column is final too (drawn from p given that context). With the plain auto-correct
+rule, the columns right of the last round's first change are kept without a check against their
+final context: on a world scored by an exact parser those unchecked tokens are the speckles that
+cost quality at small r. With `carry`, they stay in the verification window: the next row's passes
+re-verify them together with the new row's drafts (no extra pass), and after the last row, passes
+go on until every token is final. The check of a carried token uses the previous round's p as its
+proposal, as Jacobi-style decoders (SJD) do: approximately lossless, exact under greedy decoding.
+
 p and q are the guided (CFG), temperature- and top-k-warped distributions over visual codes; the
 drafted hidden states go through the backbone's own final norm and head.
 """
@@ -24,7 +34,8 @@ from specgen.decoding.state import SpecState, check_drafter
 from specgen.utils.validate import expect_float, expect_int
 
 
-def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_right(run: SpecState, drafter, start: int, row: int,
+                 draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain f_phi.right from the target state at `start` through known tokens into row `row`."""
     g = run.g
     h = run.hid[:, start]  # (B', D)
@@ -34,7 +45,7 @@ def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.T
     codes, qs = [], []
     for pos in range(start + 1, g.position(row, g.width - 1) + 1):
         if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
-            q = run.dist(h) if is_state else run.dist_logits(h)  # (B, Vv)
+            q = run.dist(h, draft_temperature) if is_state else run.dist_logits(h, draft_temperature)  # (B, Vv)
             tok = sample_probs(q, run.gens)
             codes.append(tok)
             qs.append(q)
@@ -48,45 +59,59 @@ def _draft_right(run: SpecState, drafter, start: int, row: int) -> tuple[torch.T
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
 
 
-def _draft_down(run: SpecState, drafter, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_down(run: SpecState, drafter, row: int,
+                draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """All columns of `row` at once: f_phi.down(h_{P(row-1, c) - 1}, e(x_{row-1, c}))."""
     g = run.g
     above = g.position(row - 1, torch.arange(g.width, device=run.seq.device))  # (W,)
     h = drafter.down(run.hid[:, above - 1], run.bb.embed(run.seq[:, above]))  # (B', W, D) or code logits
     run.draft_calls += 1
-    q = run.dist_logits(h) if getattr(drafter, "predicts", "hidden") == "tokens" else run.dist(h)
+    tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
+    q = run.dist_logits(h, draft_temperature) if tokens_out else run.dist(h, draft_temperature)
     return sample_probs(q, run.gens), q
 
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, generators=None, rounds: int = 2,
-             exact: bool = False, vertical: bool = True):
-    """SSD sampling of visual codes (B, H, W). Returns (codes, stats)."""
+             exact: bool = False, vertical: bool = True, carry: bool = False,
+             draft_temperature: float | None = None):
+    """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
+    `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
+    (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless."""
     expect_int("rounds", rounds, 0)
     expect_float("temperature", temperature, 0.0)
+    if draft_temperature is not None:
+        expect_float("draft_temperature", draft_temperature, 0.0)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     g, B, dev = run.g, run.B, prompt_ids.device
     run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
+    pending = _Pending(B, dev) if carry and not exact else None
     for r in range(g.height):
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
         if r == 0 or not vertical:
             start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
-            draft, q = _draft_right(run, drafter, start, r)
+            draft, q = _draft_right(run, drafter, start, r, draft_temperature)
         else:
-            draft, q = _draft_down(run, drafter, r)
+            draft, q = _draft_down(run, drafter, r, draft_temperature)
         run.set_tokens(cols, draft)
         if exact:
             accept_map[:, r], rounds_used[:, r] = _verify_exact(run, cols, q)
+        elif pending is not None:
+            accept_map[:, r], rounds_used[:, r] = pending.verify(run, cols, q, rounds)
         else:
             accept_map[:, r], rounds_used[:, r] = _verify_autocorrect(run, cols, q, rounds)
+    if pending is not None:
+        pending.flush(run)
     codes = run.codes()
     stats = {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
              "accept_map": accept_map}
+    if pending is not None:
+        stats["flush_passes"] = pending.extra_passes
     return codes, stats
 
 
@@ -110,6 +135,64 @@ def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rou
         if not changed.any():
             break
     return first_accept, used
+
+
+class _Pending:
+    """Verification window of `carry=True`: the visual positions not final yet, with their proposals."""
+
+    def __init__(self, B: int, device):
+        self.final_upto = torch.zeros(B, dtype=torch.long, device=device)  # positions < this are final
+        self.pos = torch.zeros(0, dtype=torch.long, device=device)  # (n,) window positions, ascending
+        self.prop: torch.Tensor | None = None  # (B, n, V) proposal of each window token
+        self.extra_passes = 0
+
+    def _pass(self, run: SpecState) -> torch.Tensor:
+        """One target pass over the window: accept or correct every non-final token; advance the frontier.
+        Returns (B, n) accepted."""
+        pos = self.pos
+        run.target_pass(int(pos[-1]))
+        p = run.dist(run.hid[:, pos - 1])
+        cur = run.visual(pos)
+        new, accepted = accept_or_resample(cur, p, self.prop, run.gens)
+        final = pos[None, :] < self.final_upto[:, None]
+        new = torch.where(final, cur, new)
+        changed = new != cur
+        n = pos.numel()
+        first = torch.where(changed.any(1), changed.float().argmax(1), torch.full_like(self.final_upto, n - 1))
+        self.final_upto = torch.maximum(self.final_upto, pos[first] + 1)  # through the first change
+        run.set_tokens(pos, new)
+        self.prop = p
+        return accepted
+
+    def _trim(self) -> None:
+        keep = self.pos >= int(self.final_upto.min())
+        self.pos, self.prop = self.pos[keep], self.prop[:, keep]
+
+    def done(self) -> bool:
+        return self.pos.numel() == 0 or bool((self.final_upto > self.pos[-1]).all())
+
+    def verify(self, run: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
+        """Add a drafted row to the window; spend up to rounds + 1 passes on it."""
+        self.pos = torch.cat([self.pos, cols])
+        self.prop = q if self.prop is None else torch.cat([self.prop, q], 1)
+        first_accept = None
+        used = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+        for _ in range(rounds + 1):
+            live = ~(self.final_upto > self.pos[-1])
+            accepted = self._pass(run)
+            first_accept = accepted[:, -cols.numel():] if first_accept is None else first_accept
+            used += live.long()
+            self._trim()
+            if self.done():
+                break
+        return first_accept, used
+
+    def flush(self, run: SpecState) -> None:
+        """Passes until every token is final (each pass finalises at least one token of every image)."""
+        while not self.done():
+            self._pass(run)
+            self._trim()
+            self.extra_passes += 1
 
 
 def _verify_exact(run: SpecState, cols: torch.Tensor, q: torch.Tensor):

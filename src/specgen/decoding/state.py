@@ -60,16 +60,17 @@ class SpecState:
         self.cached = end
         self.nfe += 1
 
-    def dist(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes."""
+    def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
+        """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.
+        `temperature` overrides the decoding temperature (drafts may be drawn colder than the target)."""
         g = self.g
-        return self.dist_logits(self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual])
+        return self.dist_logits(self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual], temperature)
 
-    def dist_logits(self, logits: torch.Tensor) -> torch.Tensor:
+    def dist_logits(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., Vv) visual-code logits -> (B, ..., Vv) sampling distributions (guided, warped)."""
         if self.reps == 2:
             logits = guide(logits, self.cfg_scale)
-        return probs(logits.float(), self.temperature, self.top_k)
+        return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
 
     def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor) -> None:
         """Write visual codes (B, n) at positions (n,), invalidating the cache from the first change."""
