@@ -126,16 +126,20 @@ class ShapesMAR(nn.Module):
         return self.fake_latent[None].expand(batch, self.buffer_size, -1)
 
     # ---- one masked step: per-token conditions -------------------------------------------------
-    def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D)."""
+    def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor,
+                   num_known: int | None = None) -> torch.Tensor:
+        """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D).
+        `num_known` (known tokens per row), when the caller knows it, spares a device-to-host sync."""
         B, L, _ = tokens.shape
         x = torch.cat([cond, self.z_proj(tokens)], dim=1) + self.encoder_pos_embed_learned  # (B, buffer+L, D)
         x = self.z_proj_ln(x)
         keep = torch.cat([torch.ones(B, self.buffer_size, device=x.device, dtype=torch.bool), mask < 0.5], dim=1)
-        counts = keep.sum(1)
-        if not bool((counts == counts[0]).all()):
-            raise ValueError("every row of a batch must have the same number of known tokens (MAR drops them)")
-        x = x[keep].view(B, int(counts[0]), -1)  # the encoder sees the buffer and the known tokens only
+        if num_known is None:
+            counts = keep.sum(1)
+            if not bool((counts == counts[0]).all()):
+                raise ValueError("every row of a batch must have the same number of known tokens (MAR drops them)")
+            num_known = int(counts[0]) - self.buffer_size
+        x = x[keep].view(B, self.buffer_size + num_known, -1)  # the encoder sees the buffer and the known tokens only
         for blk in self.encoder_blocks:
             x = blk(x)
         x = self.decoder_embed(self.encoder_norm(x))
@@ -151,13 +155,14 @@ class ShapesMAR(nn.Module):
         return self.diffloss.net(x_t, t, z)
 
     # ---- training --------------------------------------------------------------------------------
-    def random_mask(self, B: int, device) -> torch.Tensor:
-        """(B, L) masks of a random order each, one shared mask ratio drawn from MAR's truncated normal."""
+    def random_mask(self, B: int, device, return_known: bool = False):
+        """(B, L) masks of a random order each, one shared mask ratio drawn from MAR's truncated normal
+        (and, with `return_known`, the number of known tokens per row, for `conditions`)."""
         rate = float(self.mask_ratio_generator.rvs(1)[0])
         n = int(np.ceil(self.seq_len * rate))
         order = torch.argsort(torch.rand(B, self.seq_len, device=device), dim=1)
-        mask = torch.zeros(B, self.seq_len, device=device)
-        return mask.scatter(1, order[:, :n], 1.0)
+        mask = torch.zeros(B, self.seq_len, device=device).scatter(1, order[:, :n], 1.0)
+        return (mask, self.seq_len - n) if return_known else mask
 
     def forward(self, tokens: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Diffusion loss on masked tokens: tokens (B, L, d), cond (B, buffer, D) -> scalar."""
@@ -165,8 +170,8 @@ class ShapesMAR(nn.Module):
         if self.training and self.label_drop_prob > 0:
             drop = (torch.rand(B, 1, 1, device=tokens.device) < self.label_drop_prob).to(cond.dtype)
             cond = drop * self.null_condition(B) + (1 - drop) * cond
-        mask = self.random_mask(B, tokens.device)
-        z = self.conditions(tokens, mask, cond)
+        mask, known = self.random_mask(B, tokens.device, return_known=True)
+        z = self.conditions(tokens, mask, cond, known)
         m = self.diffusion_batch_mul
         target = tokens.reshape(B * self.seq_len, -1).repeat(m, 1)
         z = z.reshape(B * self.seq_len, -1).repeat(m, 1)
