@@ -102,6 +102,21 @@ def test_nfe_is_bounded_by_rows_times_rounds_plus_one(rounds):
     assert (st["rounds_per_row"] <= rounds + 1).all()
 
 
+def test_unchecked_tokens_count_what_the_last_round_left_unverified():
+    """Auto-correct reports the tokens never judged with their final left context: some at r = 0 with a
+    poor drafter, none once every row has converged (greedy, r = W), none with carry."""
+    m = tiny(True)
+    p = m.prompt_ids(PROMPTS)
+    _, st0 = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, generators=make_generators([0, 1, 2]))
+    assert st0["unchecked_tokens"].sum() > 0
+    assert (st0["unchecked_tokens"] <= m.grid.num_visual_tokens).all()
+    _, stw = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=m.grid.width)
+    assert (stw["unchecked_tokens"] == 0).all()
+    _, stc = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, carry=True,
+                          generators=make_generators([0, 1, 2]))
+    assert (stc["unchecked_tokens"] == 0).all()
+
+
 @pytest.mark.parametrize("rounds", [0, 2])
 def test_carry_spends_the_row_budget_then_only_the_flush(rounds):
     """carry=True: at most rounds + 1 passes per row, then passes only until the last carried token is

@@ -89,6 +89,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
+    unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
     pending = _Pending(B, dev) if carry and not exact else None
     for r in range(g.height):
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
@@ -103,13 +104,14 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
         elif pending is not None:
             accept_map[:, r], rounds_used[:, r] = pending.verify(run, cols, q, rounds)
         else:
-            accept_map[:, r], rounds_used[:, r] = _verify_autocorrect(run, cols, q, rounds)
+            accept_map[:, r], rounds_used[:, r], row_unchecked = _verify_autocorrect(run, cols, q, rounds)
+            unchecked += row_unchecked
     if pending is not None:
         pending.flush(run)
     codes = run.codes()
     stats = {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
-             "accept_map": accept_map}
+             "accept_map": accept_map, "unchecked_tokens": unchecked.float()}
     if pending is not None:
         stats["flush_passes"] = pending.extra_passes
     return codes, stats
@@ -121,12 +123,14 @@ def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rou
     first_accept = None
     active = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)  # images still changing
     used = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    W = cols.numel()
     for k in range(rounds + 1):
         run.target_pass(int(cols[-1]))  # the row's last candidate is conditioned on, never fed
         p = run.dist(run.hid[:, cols - 1])  # (B, W, Vv): column c from the state before it
         cur = run.visual(cols)
         new, accepted = accept_or_resample(cur, p, proposal, run.gens)
-        changed = (new != cur).any(1)  # (B,)
+        changes = new != cur  # (B, W)
+        changed = changes.any(1)  # (B,)
         first_accept = accepted if first_accept is None else first_accept
         used += active.long()
         active &= changed
@@ -134,7 +138,9 @@ def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rou
         proposal = p  # a corrected token is a draw from this round's p: it proposes for the next round
         if not changed.any():
             break
-    return first_accept, used
+    # columns right of the last pass's first change were judged with a left context that then changed
+    unchecked = torch.where(changed, W - 1 - changes.float().argmax(1).long(), torch.zeros_like(used))
+    return first_accept, used, unchecked
 
 
 class _Pending:
