@@ -7,6 +7,7 @@ on CPU), plus wall-clock and NFE ratios against the reference strategy (the firs
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from specgen.decoding.sampling import make_generators
+
+log = logging.getLogger(__name__)
 
 
 def _reset_peak(device: torch.device) -> None:
@@ -75,7 +78,10 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
     out: dict[str, float] = {}
     ref = next(iter(strategies))
     for bs in batch_sizes:
-        results = {name: measure(backbone, fn, prompts, bs, repeats) for name, fn in strategies.items()}
+        results = {}
+        for name, fn in strategies.items():
+            log.info("speed: %s at batch %d (%d prompts)", name, bs, len(prompts))
+            results[name] = measure(backbone, fn, prompts, bs, repeats)
         for name, res in results.items():
             res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
             res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
