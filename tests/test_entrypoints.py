@@ -129,19 +129,23 @@ def test_slurm_launcher_config_composes():
     assert cfg.hydra.launcher.partition == "gpu" and "SlurmLauncher" in cfg.hydra.launcher._target_
 
 
-def test_time_budget_sets_the_step_count_and_the_schedule_follows(tmp_path, tiny_exports):
+def test_time_budget_sets_the_step_count_and_the_schedule_follows(tmp_path, tiny_exports, monkeypatch):
     """A budget much shorter than max_steps: the run stops early, at the step count the callback chose, with
-    the learning rate at its cosine floor there (the schedule read the new end)."""
+    the learning rate at its cosine floor there (the schedule read the new end). The callback's clock is
+    simulated (0.01 s per training step), so the chosen count does not depend on the machine's load."""
+    from specgen.modules.callbacks import TimeBudget
     from specgen.train import train
 
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(TimeBudget, "clock", staticmethod(lambda: 0.01 * next(ticks)))
     base = [o for o in _tiny_train("ar_shapes_draft_train", tiny_exports) if "val_geneval" not in o]
     cfg = compose_cfg("train", base + [
         "trainer.max_steps=100000", "module.warmup_steps=2", "logger=csv", "export_name=budget",
-        "callbacks.time_budget.seconds=6", "callbacks.time_budget.calibrate_from=2",
+        "callbacks.time_budget.seconds=1", "callbacks.time_budget.calibrate_from=2",
         "callbacks.time_budget.calibrate_to=6", "trainer.val_check_interval=1000"], tmp_path)
     metrics = train(cfg)
     chosen = int(metrics["budget/max_steps"])
-    assert 6 < chosen < 100000
+    assert chosen == 6 + int(0.85 * (1 - 0.06) / 0.01)  # 6 steps timed, the rest of the budget at 0.01 s/step
     exported = (tmp_path / "checkpoints" / "budget" / "metrics.json").read_text()
     assert f'"global_step": {chosen}' in exported
     lr = metrics["lr-AdamW/pg1"]  # logged before the last step: within a few steps of the floor (0.1 x peak)

@@ -72,18 +72,21 @@ class TimeBudget(L.Callback):
         self.seconds, self.lo, self.hi, self.safety = seconds, calibrate_from, calibrate_to, safety
         self._t0 = self._t_lo = None
 
-    def on_train_start(self, trainer, pl_module):
+    @staticmethod
+    def clock() -> float:
+        """Wall-clock seconds (a method, so that tests can drive the callback with a simulated clock)."""
         import time
 
-        self._t0 = time.perf_counter()
+        return time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module):
+        self._t0 = self.clock()
         self._start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        import time
-
         if self.seconds is None or trainer.fast_dev_run:
             return
-        now, done = time.perf_counter(), trainer.global_step - self._start_step
+        now, done = self.clock(), trainer.global_step - self._start_step
         if done == self.lo:
             self._t_lo = now
         elif done == self.hi and self._t_lo is not None:
