@@ -30,7 +30,9 @@ def probs(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.
 
 
 def uniform(shape: tuple[int, ...], generators: list[torch.Generator] | None, device) -> torch.Tensor:
-    """Uniform noise (B, ...) whose row b depends only on generators[b] (so images don't depend on batching)."""
+    """Uniform noise (B, ...) whose row b depends only on generators[b]. An AR image therefore does not depend
+    on its batch; decoders that run a batch in lockstep (the speculative ones) draw from every row's stream at
+    every pass of the batch, so their images (not their distributions) can depend on the batch's slowest image."""
     if generators is None:
         return torch.rand(shape, device=device)
     if len(generators) != shape[0]:
