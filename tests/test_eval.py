@@ -285,10 +285,11 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
                                "benchmark.clipscore.num_prompts=2", "benchmark.fidelity.num_prompts=4",
                                f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
-                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
+                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
+                               f"strategies.ssd_carry.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
                                "logger=wandb"], tmp_path)
     m = run_eval(cfg)
-    for s in ("ar", "ssd", "sjd"):
+    for s in ("ar", "ssd", "ssd_carry", "sjd"):
         for key in ("geneval/overall", "dpg/overall", "clipscore/clipscore_100cos", "fidelity/fid", "speed/nfe_ratio"):
             assert f"{s}/{key}" in m, f"{s}/{key}"
     table = capsys.readouterr().out
