@@ -155,14 +155,14 @@ class ShapesMAR(nn.Module):
         return self.diffloss.net(x_t, t, z)
 
     # ---- training --------------------------------------------------------------------------------
-    def random_mask(self, B: int, device, return_known: bool = False):
-        """(B, L) masks of a random order each, one shared mask ratio drawn from MAR's truncated normal
-        (and, with `return_known`, the number of known tokens per row, for `conditions`)."""
+    def random_mask(self, B: int, device) -> tuple[torch.Tensor, int]:
+        """(B, L) masks of a random order each (1 = unknown), one shared mask ratio drawn from MAR's truncated
+        normal, and the number of known tokens per row (for `conditions`)."""
         rate = float(self.mask_ratio_generator.rvs(1)[0])
         n = int(np.ceil(self.seq_len * rate))
         order = torch.argsort(torch.rand(B, self.seq_len, device=device), dim=1)
         mask = torch.zeros(B, self.seq_len, device=device).scatter(1, order[:, :n], 1.0)
-        return (mask, self.seq_len - n) if return_known else mask
+        return mask, self.seq_len - n
 
     def forward(self, tokens: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Diffusion loss on masked tokens: tokens (B, L, d), cond (B, buffer, D) -> scalar."""
@@ -170,7 +170,7 @@ class ShapesMAR(nn.Module):
         if self.training and self.label_drop_prob > 0:
             drop = (torch.rand(B, 1, 1, device=tokens.device) < self.label_drop_prob).to(cond.dtype)
             cond = drop * self.null_condition(B) + (1 - drop) * cond
-        mask, known = self.random_mask(B, tokens.device, return_known=True)
+        mask, known = self.random_mask(B, tokens.device)
         z = self.conditions(tokens, mask, cond, known)
         m = self.diffusion_batch_mul
         target = tokens.reshape(B * self.seq_len, -1).repeat(m, 1)

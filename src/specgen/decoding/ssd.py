@@ -167,15 +167,15 @@ class _Pending:
         first = torch.where(changed.any(1), changed.float().argmax(1), torch.full_like(self.final_upto, n - 1))
         self.final_upto = torch.maximum(self.final_upto, pos[first] + 1)  # through the first change
         run.set_tokens(pos, new)
-        self.prop = p
+        keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
+        self.pos, self.prop = pos[keep], p[:, keep]
         return accepted
 
-    def _trim(self) -> None:
-        keep = self.pos >= int(self.final_upto.min())
-        self.pos, self.prop = self.pos[keep], self.prop[:, keep]
-
-    def done(self) -> bool:
-        return self.pos.numel() == 0 or bool((self.final_upto > self.pos[-1]).all())
+    def live(self) -> torch.Tensor:
+        """(B,) images with a token in the window that is not final yet."""
+        if self.pos.numel() == 0:
+            return torch.zeros_like(self.final_upto, dtype=torch.bool)
+        return self.final_upto <= self.pos[-1]
 
     def verify(self, run: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
         """Add a drafted row to the window; spend up to rounds + 1 passes on it."""
@@ -184,20 +184,17 @@ class _Pending:
         first_accept = None
         used = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
         for _ in range(rounds + 1):
-            live = ~(self.final_upto > self.pos[-1])
+            used += self.live().long()
             accepted = self._pass(run)
             first_accept = accepted[:, -cols.numel():] if first_accept is None else first_accept
-            used += live.long()
-            self._trim()
-            if self.done():
+            if not self.live().any():
                 break
         return first_accept, used
 
     def flush(self, run: SpecState) -> None:
         """Passes until every token is final (each pass finalises at least one token of every image)."""
-        while not self.done():
+        while self.live().any():
             self._pass(run)
-            self._trim()
             self.extra_passes += 1
 
 

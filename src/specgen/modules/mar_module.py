@@ -64,7 +64,7 @@ class MARDraftModule(_Base):
     def training_step(self, batch, batch_idx):
         x0, prompts = batch["latents"], batch["prompt"]
         B, Lq, d = x0.shape
-        mask, known = self.net.random_mask(B, x0.device, return_known=True)
+        mask, known = self.net.random_mask(B, x0.device)
         z_d = self.net.conditions(x0, mask, self.net.condition(prompts), known)
         with torch.no_grad():
             z_t = self.target.conditions(x0, mask, self.target.condition(prompts), known)
