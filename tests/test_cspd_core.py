@@ -68,11 +68,18 @@ def test_alignment_lowers_the_draft_target_distance():
         log_ratio(d, target, "fast")
 
 
-def _tiny_mar(seed=0):
+def _tiny_mar(seed=0, grid_size=4, token_dim=3, sample_steps=5):
+    """A random tiny MAR whose head depends on its conditions (the zero-initialised output layers of a
+    fresh head would make every token's chain ignore the context and the prompt)."""
     from specgen.backbones.mar import ShapesMAR
 
     torch.manual_seed(seed)
-    return ShapesMAR(grid_size=4, token_dim=3, preset="tiny", sample_steps=5).eval()
+    m = ShapesMAR(grid_size=grid_size, token_dim=token_dim, preset="tiny", sample_steps=sample_steps).eval()
+    with torch.no_grad():
+        for p in m.diffloss.parameters():
+            if not p.any():
+                p.normal_(0, 0.3)
+    return m
 
 
 def test_mar_sampling_is_reproducible_per_image_and_follows_the_schedule():
@@ -96,15 +103,50 @@ def test_cspd_prefill_one_is_target_only_and_draft_equal_target_accepts_all():
     ref, _ = mar.generate(m, prompts, make_generators([3, 4]), num_iter=4)
     out, st = cspd.generate(m, prompts, make_generators([3, 4]), d, num_iter=4, prefill_ratio=1.0)
     assert torch.allclose(out, ref) and st["drafted"] == 0
+    assert not torch.allclose(ref[0], mar.generate(m, ["two squares", "a red circle"], make_generators([3, 4]),
+                                                   num_iter=4)[0][0], atol=1e-3)  # the prompt matters
     for ratio in ("exact", "aligned"):
-        same, st = cspd.generate(m, prompts, make_generators([3, 4]), m, num_iter=4, gamma=2, ratio=ratio,
+        same, st = cspd.generate(m, prompts, make_generators([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
                                  prefill_ratio=0.0)
-        assert st["accept_rate"] == 1.0 and st["drafted"] > 0
+        assert st["accept_rate"] == 1.0 and st["drafted"] == 32 and st["target_sets"] == 4
+        # judging every drafted step given only the tokens known before drafting rejects some of the
+        # target's own drafts: later steps were drafted with the earlier drafts in their context
+        _, joint = cspd.generate(m, prompts, make_generators([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
+                                 prefill_ratio=0.0, verify="joint")
+        assert joint["accept_rate"] < 0.9 and joint["target_sets"] == 2
     for acceptance in ("per_token", "prefix"):
         out, st = cspd.generate(m, prompts, make_generators([3, 4]), d, num_iter=4, gamma=2, acceptance=acceptance,
                                 ratio="exact", max_proposals=4)
         assert out.shape == ref.shape and torch.isfinite(out).all()
         assert st["target_calls"] < 4 + st["draft_calls"]  # one target pass per drafted block
+
+
+def test_cspd_prefix_exact_reproduces_target_only_sampling():
+    """Lossless mode (stepwise verification, exact ratio, prefix acceptance): CSpD with a draft close to
+    the target draws tokens from the target's distribution (two-sample KS per position, on the token sum
+    and on a product of two positions), while the draft alone is told apart by the same test."""
+    import copy
+
+    from specgen.decoding import cspd, mar
+    from specgen.decoding.sampling import make_generators
+
+    m = _tiny_mar(0, grid_size=2, token_dim=1, sample_steps=4)
+    d = copy.deepcopy(m)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for p in d.diffloss.parameters():
+            p.add_(0.06 * torch.randn_like(p))
+    n = 1200
+    prompts = ["a red circle"] * n
+    ref, _ = mar.generate(m, prompts, make_generators(range(n)), num_iter=3, cfg_scale=1.0)
+    out, st = cspd.generate(m, prompts, make_generators(range(n, 2 * n)), d, num_iter=3, cfg_scale=1.0, gamma=2,
+                            prefill_ratio=0.0, ratio="exact", acceptance="prefix", max_proposals=64)
+    assert 0.1 < st["accept_rate"] < 0.9 and st["fallbacks"] == 0 and st["proposals"] > 0
+    statistics = (lambda t: t[:, 0, 0], lambda t: t[:, 3, 0], lambda t: t.sum((1, 2)), lambda t: t[:, 0, 0] * t[:, 1, 0])
+    for stat in statistics:
+        assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3
+    draft_only, _ = mar.generate(d, prompts, make_generators(range(n)), num_iter=3, cfg_scale=1.0)
+    assert stats.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
 
 
 def test_cspd_bad_inputs():
@@ -118,6 +160,8 @@ def test_cspd_bad_inputs():
         cspd.generate(m, ["a circle"], g, m, prefill_ratio=1.5)
     with pytest.raises(ValueError, match="gamma must be >= 1, got 0"):
         cspd.generate(m, ["a circle"], g, m, gamma=0)
+    with pytest.raises(ValueError, match="unknown verify 'once'"):
+        cspd.generate(m, ["a circle"], g, m, verify="once")
     other = ShapesMAR(grid_size=4, token_dim=5, preset="tiny", sample_steps=5)
     with pytest.raises(ValueError, match=r"draft latents \(16 tokens of dim 5\) differ"):
         cspd.generate(m, ["a circle"], g, other)

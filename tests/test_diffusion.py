@@ -57,8 +57,13 @@ def test_mar_backbone_trains_one_step_and_returns_conditions():
     t2 = tokens.clone()
     t2[:, 0] += 1
     assert not torch.allclose(mar.conditions(t2, mask, cond)[:, 10], z[:, 10])
-    with pytest.raises(ValueError, match="same number of known tokens"):
-        mar.conditions(tokens, torch.stack([mask[0], torch.ones(16)]), cond)
+    # rows knowing different numbers of tokens (padded, padding hidden) equal the rows computed alone
+    ragged = torch.stack([mask[0], torch.ones(16), (torch.arange(16) % 3 == 0).float()])
+    t3, c3 = torch.cat([tokens, tokens[:1]]), torch.cat([cond, cond[:1]])
+    together = mar.conditions(t3, ragged, c3)
+    alone = torch.cat([mar.conditions(t3[i:i + 1], ragged[i:i + 1], c3[i:i + 1]) for i in range(3)])
+    assert torch.allclose(together, alone, atol=1e-5)
+    assert not torch.allclose(together[0], together[2], atol=1e-3)
 
 
 def test_vlb_term_vanishes_for_the_true_posterior():

@@ -129,22 +129,36 @@ class ShapesMAR(nn.Module):
     def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor,
                    num_known: int | None = None) -> torch.Tensor:
         """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D).
-        `num_known` (known tokens per row), when the caller knows it, spares a device-to-host sync."""
+
+        The encoder sees the buffer and the known tokens only (MAR drops the others). Rows may know different
+        numbers of tokens: they are then padded to the longest row and the padding is hidden from attention,
+        so one call serves several masked steps at once (CSpD's verification). `num_known` (known tokens per
+        row, all rows alike), when the caller knows it, spares a device-to-host sync."""
         B, L, _ = tokens.shape
         x = torch.cat([cond, self.z_proj(tokens)], dim=1) + self.encoder_pos_embed_learned  # (B, buffer+L, D)
         x = self.z_proj_ln(x)
         keep = torch.cat([torch.ones(B, self.buffer_size, device=x.device, dtype=torch.bool), mask < 0.5], dim=1)
+        attn_mask = None
         if num_known is None:
             counts = keep.sum(1)
-            if not bool((counts == counts[0]).all()):
-                raise ValueError("every row of a batch must have the same number of known tokens (MAR drops them)")
-            num_known = int(counts[0]) - self.buffer_size
-        x = x[keep].view(B, self.buffer_size + num_known, -1)  # the encoder sees the buffer and the known tokens only
+            if bool((counts == counts[0]).all()):
+                num_known = int(counts[0]) - self.buffer_size
+        if num_known is not None:
+            x = x[keep].view(B, self.buffer_size + num_known, -1)
+        else:  # ragged rows: gather each row's kept slots to the front, pad, mask the padding out
+            n = int(counts.max())
+            slot = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :n]  # kept slots first, in order
+            valid = torch.arange(n, device=x.device)[None] < counts[:, None]
+            x = torch.gather(x, 1, slot[..., None].expand(-1, -1, x.shape[-1]))
+            attn_mask = valid[:, None, None, :]  # (B, 1, 1, n): every query sees the valid keys only
         for blk in self.encoder_blocks:
-            x = blk(x)
+            x = blk(x, attn_mask=attn_mask)
         x = self.decoder_embed(self.encoder_norm(x))
         full = self.mask_token.expand(B, self.buffer_size + L, -1).clone()
-        full[keep] = x.reshape(-1, x.shape[-1]).to(full.dtype)  # autocast may have run the encoder in bf16
+        if attn_mask is None:
+            full[keep] = x.reshape(-1, x.shape[-1]).to(full.dtype)  # autocast may have run the encoder in bf16
+        else:
+            full[keep] = x[valid].to(full.dtype)  # row-major order of `valid` matches that of `keep`
         x = full + self.decoder_pos_embed_learned
         for blk in self.decoder_blocks:
             x = blk(x)
