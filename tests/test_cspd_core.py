@@ -165,3 +165,21 @@ def test_cspd_bad_inputs():
     other = ShapesMAR(grid_size=4, token_dim=5, preset="tiny", sample_steps=5)
     with pytest.raises(ValueError, match=r"draft latents \(16 tokens of dim 5\) differ"):
         cspd.generate(m, ["a circle"], g, other)
+
+
+def test_head_chain_evaluated_in_one_call_equals_step_by_step():
+    from specgen.decoding.cspd_core import evaluate_on, run_chain
+    from specgen.decoding.mar import head_step_fn
+
+    m = _tiny_mar(0)
+    z = torch.randn(6, 64), torch.randn(6, 64)
+    for scale in (1.0, 3.0):
+        step = head_step_fn(m, z[0], z[1], scale)
+        tr = run_chain(step, torch.randn(6, 3), [torch.randn(6, 3) for _ in range(m.diffusion.sample_steps)])
+        assert step.batched
+        ref_means, ref_vars = evaluate_on(lambda x, i: step(x, i), tr.states)  # unmarked: one call per step
+        for max_rows in (1 << 16, 13):  # all steps in one call; a few steps per call
+            means, vars_ = evaluate_on(step, tr.states, max_rows=max_rows)
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(means, ref_means))
+            assert all(torch.allclose(a, b, atol=1e-8) for a, b in zip(vars_, ref_vars))
+        assert float(vars_[-1].abs().max()) == 0 and float(vars_[0].min()) > 0

@@ -197,17 +197,29 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
 def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    cspds = ("cspd", "cspd_noalign", "cspd_exact")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
-                               "benchmark.geneval.samples_per_prompt=1", "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
-                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "cspd", "cspd_noalign")],
-                               *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in ("cspd", "cspd_noalign")]],
+                               "benchmark.geneval.samples_per_prompt=1", "benchmark.fidelity.num_prompts=4",
+                               f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
+                               "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
+                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", *cspds)],
+                               *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
-    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd/speed/wall_ratio", "cspd/speed/wall_ratio_bs1",
-                "target/geneval/overall", "cspd/geneval/overall", "cspd/geneval/overall_ci95"):
+    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_exact/accept_rate", "cspd/speed/wall_ratio",
+                "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
+                "cspd/geneval/overall_ci95", "cspd_exact/fidelity/fid", "target/fidelity/fid"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0
+
+
+def test_cspd_ablation_shares_the_swept_setting(tmp_path):
+    cfg = compose_cfg("eval", ["experiment=cspd_ablation", "ablation.gamma=16", "ablation.prefill_ratio=0.15"], tmp_path)
+    for s in ("cspd", "cspd_exact"):
+        assert cfg.strategies[s].fn.gamma == 16 and cfg.strategies[s].fn.prefill_ratio == 0.15
+    assert cfg.strategies.cspd_exact.fn.ratio == "exact" and cfg.strategies.cspd.fn.ratio == "aligned"
 
 
 def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, capsys):

@@ -139,26 +139,35 @@ class GaussianDiffusion:
         ac = self.alphas_cumprod.to(x0.device, torch.float32)[t][:, None]
         return ac.sqrt() * x0 + (1 - ac).sqrt() * noise
 
-    def step_mean_var(self, out: torch.Tensor, x_t: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_mean_var(self, out: torch.Tensor, x_t: torch.Tensor, i) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (both like x_t) of p(x_{i-1} | x_i) for sampling step index i (i = K-1 first).
 
-        `out` is the denoiser output: epsilon, or [epsilon, v] for 'learned_range' (the log-variance
-        interpolates between the posterior variance and beta by (v + 1) / 2, as in improved DDPM).
-        The last step (i = 0) has variance 0: the sample is its mean.
+        `i` is one index for all rows, or a LongTensor (N,) of per-row indices (several steps of a chain
+        evaluated in one call). `out` is the denoiser output: epsilon, or [epsilon, v] for 'learned_range'
+        (the log-variance interpolates between the posterior variance and beta by (v + 1) / 2, as in
+        improved DDPM). The last step (i = 0) has variance 0: the sample is its mean.
         """
-        ac, ac_prev, beta = (float(v[i]) for v in (self.s_ac, self.s_ac_prev, self.s_betas))
         d = x_t.shape[-1]
         eps = out[..., :d]
-        x0 = ((x_t - math.sqrt(1 - ac) * eps) / math.sqrt(ac)).clamp(-10, 10)  # guards the noisiest steps
-        mean = (math.sqrt(ac_prev) * beta / (1 - ac)) * x0 + (math.sqrt(1 - beta) * (1 - ac_prev) / (1 - ac)) * x_t
+        per_row = isinstance(i, torch.Tensor)
+        idx = i.cpu() if per_row else torch.tensor([i])
+        ac, ac_prev, beta = self.s_ac[idx], self.s_ac_prev[idx], self.s_betas[idx]  # float64 coefficients
         small = beta * (1 - ac_prev) / (1 - ac)
-        if i == 0:
-            var = torch.zeros_like(x_t)
-        elif self.variance == "learned_range":
+        coefs = torch.stack([(1 - ac).sqrt(), ac.sqrt(), ac_prev.sqrt() * beta / (1 - ac),
+                             (1 - beta).sqrt() * (1 - ac_prev) / (1 - ac), beta.log(), small.clamp_min(1e-20).log()])
+        coefs = coefs.to(x_t.device, x_t.dtype)[..., None]  # (6, N or 1, 1)
+        s1, sa, c0, ct, log_beta, log_small = coefs
+        x0 = ((x_t - s1 * eps) / sa).clamp(-10, 10)  # guards the noisiest steps
+        mean = c0 * x0 + ct * x_t
+        if not per_row and i == 0:
+            return mean, torch.zeros_like(x_t)
+        if self.variance == "learned_range":
             if out.shape[-1] != 2 * d:
                 raise ValueError("variance 'learned_range' needs a denoiser with learn_sigma=True (2d outputs)")
             frac = (out[..., d:] + 1) / 2
-            var = torch.exp(frac * math.log(beta) + (1 - frac) * math.log(max(small, 1e-20)))
+            var = torch.exp(frac * log_beta + (1 - frac) * log_small)
         else:
-            var = torch.full_like(x_t, small if self.variance == "fixed_small" else beta)
+            var = (log_small if self.variance == "fixed_small" else log_beta).exp().expand_as(x_t).clone()
+        if per_row:
+            var = torch.where((i == 0).to(x_t.device)[:, None], torch.zeros_like(var), var)
         return mean, var

@@ -46,7 +46,9 @@ def tempered(step: StepFn, temperature: float) -> StepFn:
     """The chain actually sampled at noise temperature t: variances scaled by t^2 (densities follow)."""
     if temperature == 1.0:
         return step
-    return lambda x, i: (lambda m, v: (m, v * temperature ** 2))(*step(x, i))
+    warm = lambda x, i: (lambda m, v: (m, v * temperature ** 2))(*step(x, i))
+    warm.batched = getattr(step, "batched", False)
+    return warm
 
 
 def run_chain(step: StepFn, x_init: torch.Tensor, noises: list[torch.Tensor]) -> Trajectory:
@@ -76,10 +78,28 @@ def chain_logprob(states: list[torch.Tensor], means: list[torch.Tensor], vars_: 
     return sum(_gauss_logpdf(states[k + 1], means[k], vars_[k]) for k in range(len(means)))
 
 
-def evaluate_on(step: StepFn, states: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Another head's transition means/variances evaluated on given states."""
-    out = [step(states[k], len(states) - 2 - k) for k in range(len(states) - 1)]
-    return [m for m, _ in out], [v for _, v in out]
+def evaluate_on(step: StepFn, states: list[torch.Tensor], max_rows: int = 4096
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Another head's transition means/variances evaluated on given states.
+
+    The states are known, so the steps do not depend on each other: a step function marked `batched`
+    (it takes a tensor of per-row step indices) evaluates the whole chain in as few calls as
+    `max_rows` allows, instead of one call per step."""
+    K = len(states) - 1
+    if not getattr(step, "batched", False) or K == 0:
+        out = [step(states[k], K - 1 - k) for k in range(K)]
+        return [m for m, _ in out], [v for _, v in out]
+    N = states[0].shape[0]
+    per_call = max(1, max_rows // max(N, 1))
+    means, vars_ = [], []
+    for lo in range(0, K, per_call):
+        ks = range(lo, min(K, lo + per_call))
+        x = torch.cat([states[k] for k in ks])
+        i = torch.cat([torch.full((N,), K - 1 - k, dtype=torch.long) for k in ks])
+        m, v = step(x, i)
+        means += list(m.split(N))
+        vars_ += list(v.split(N))
+    return means, vars_
 
 
 def log_ratio(draft: Trajectory, target_step: StepFn, ratio: str = "exact", target_noises=None,

@@ -45,20 +45,31 @@ def cfg_at(cfg_scale: float, cfg_schedule: str, known: int, seq_len: int) -> flo
 
 
 def head_step_fn(model, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, scale: float):
-    """step(x_i, i) -> (mean, var) of the model's guided reverse transition for tokens with conditions z."""
+    """step(x_i, i) -> (mean, var) of the model's guided reverse transition for tokens with conditions z.
+
+    `i` is a step index, or (`step.batched`) a LongTensor of per-row indices for rows that stack several
+    steps' states of the same tokens (z is then repeated to match: one call evaluates a whole chain)."""
     diff = model.diffusion
     d = model.token_dim
 
-    def step(x: torch.Tensor, i: int):
-        t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
-        if z_uncond is None or scale == 1.0:
-            out = model.denoise(x, t, z_cond)
+    def step(x: torch.Tensor, i):
+        if isinstance(i, torch.Tensor):
+            t = diff.timesteps.to(x.device)[i.to(x.device)]
+            reps = x.shape[0] // z_cond.shape[0]
+            zc = z_cond.repeat(reps, 1)
+            zu = None if z_uncond is None else z_uncond.repeat(reps, 1)
         else:
-            both = model.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([z_cond, z_uncond]))
+            t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
+            zc, zu = z_cond, z_uncond
+        if zu is None or scale == 1.0:
+            out = model.denoise(x, t, zc)
+        else:
+            both = model.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([zc, zu]))
             c, u = both.chunk(2)
             out = torch.cat([u[:, :d] + scale * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
         return diff.step_mean_var(out, x, i)
 
+    step.batched = True
     return step
 
 
