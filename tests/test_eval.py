@@ -217,9 +217,9 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
 
 def test_cspd_ablation_shares_the_swept_setting(tmp_path):
     cfg = compose_cfg("eval", ["experiment=cspd_ablation", "ablation.gamma=16", "ablation.prefill_ratio=0.15"], tmp_path)
-    for s in ("cspd", "cspd_exact"):
-        assert cfg.strategies[s].fn.gamma == 16 and cfg.strategies[s].fn.prefill_ratio == 0.15
-    assert cfg.strategies.cspd_exact.fn.ratio == "exact" and cfg.strategies.cspd.fn.ratio == "aligned"
+    assert set(cfg.strategies) == {"target", "cspd_exact"}
+    assert cfg.strategies.cspd_exact.fn.gamma == 16 and cfg.strategies.cspd_exact.fn.prefill_ratio == 0.15
+    assert cfg.strategies.cspd_exact.fn.ratio == "exact"
 
 
 def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, capsys):
