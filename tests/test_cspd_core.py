@@ -142,6 +142,7 @@ def test_cspd_prefix_exact_reproduces_target_only_sampling():
     out, st = cspd.generate(m, prompts, make_generators(range(n, 2 * n)), d, num_iter=3, cfg_scale=1.0, gamma=2,
                             prefill_ratio=0.0, ratio="exact", acceptance="prefix", max_proposals=64)
     assert 0.1 < st["accept_rate"] < 0.9 and st["fallbacks"] == 0 and st["proposals"] > 0
+    assert st["target_calls"] <= 3  # a round commits at least its first drafted step
     statistics = (lambda t: t[:, 0, 0], lambda t: t[:, 3, 0], lambda t: t.sum((1, 2)), lambda t: t[:, 0, 0] * t[:, 1, 0])
     for stat in statistics:
         assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3

@@ -9,8 +9,9 @@
            `verify="joint"`: one condition set, the tokens known before drafting (cheaper by a factor
            of about gamma in compute; approximate: later steps are judged without the drafts they saw);
   accept   per token by the trajectory density ratio (`cspd_core`), `acceptance`='per_token'
-           (every drafted token judged on its own) or 'prefix' (in generation order up to the first
-           rejection in the batch; later drafts are discarded, which keeps the batch in lockstep);
+           (every drafted token judged on its own) or 'prefix' (the drafted steps up to the first step
+           with a rejection anywhere in the batch, that step kept with its rejected tokens corrected;
+           later steps are discarded, which keeps the batch in lockstep);
   correct  a rejected token is redrawn from the residual by acceptance-rejection from the target.
 
 Exactness: tokens of one MAR step are conditionally independent given the step's context, so per-token
@@ -126,9 +127,10 @@ def _verify(target, draft, st, drafted, d_tokens, conds, opts, ratio, align, acc
         logr, final = log_ratio(chain, tempered(head_step_fn(target, *z_t), temperature), ratio, noises, align)
         rand, _ = _rng(st, idx[0])
         judged.append((idx, accept(logr, rand((len(logr),)), density_temperature), final, z_t, z_draft))
-    rejected_ranks = [st.rank[i][~ok] for i, ok, *_ in judged if (~ok).any()]
-    last = max(int(st.rank[i].max()) for i, *_ in judged)
-    stop_rank = min(int(r.min()) for r in rejected_ranks) if acceptance == "prefix" and rejected_ranks else last
+    step_end = [int(st.rank[i].max()) for i, *_ in judged]  # last rank of each drafted step
+    stop_rank = step_end[-1]
+    if acceptance == "prefix":  # keep the steps up to the first one with a rejection anywhere in the batch
+        stop_rank = next((end for (_, ok, *_), end in zip(judged, step_end) if not bool(ok.all())), stop_rank)
     for idx, ok, final, z_t, z_d in judged:
         keep = st.rank[idx] <= stop_rank
         redo = keep & ~ok
