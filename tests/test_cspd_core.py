@@ -184,3 +184,29 @@ def test_head_chain_evaluated_in_one_call_equals_step_by_step():
             assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(means, ref_means))
             assert all(torch.allclose(a, b, atol=1e-8) for a, b in zip(vars_, ref_vars))
         assert float(vars_[-1].abs().max()) == 0 and float(vars_[0].min()) > 0
+
+
+def test_cspd_trace_splits_the_log_ratio_by_step(tmp_path):
+    from specgen.decoding.cspd_core import log_ratio
+    from specgen.evaluation import cspd_trace
+
+    import copy
+
+    m = _tiny_mar(0)
+    d = copy.deepcopy(m)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in d.diffloss.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    res = cspd_trace.trace(m, d, ["a red circle", "two squares"], [0, 1], num_iter=4)
+    assert res["aligned"].shape == res["exact"].shape == (res["sigma"].shape[0], m.diffusion.sample_steps)
+    rows = cspd_trace.bands(res, num_bands=5)
+    total = float(res["exact"].sum(1).mean())
+    assert abs(sum(r["logr_exact"] for r in rows) - total) < 1e-4 * max(1.0, abs(total))
+    same = cspd_trace.trace(m, m, ["a red circle"], [0], num_iter=4)
+    assert float(same["exact"].abs().max()) < 1e-4 and float(same["aligned"].abs().max()) < 1e-4
+    assert float(res["exact"].sum(1).abs().max()) > 1e-3  # a different draft is seen
+    summ = cspd_trace.summary(same)
+    assert summ["exact/accept"] > 0.999 and summ["aligned/accept"] > 0.999
+    costs = cspd_trace.costs(m, d, batch=2, num_iter=4)
+    assert costs["target_only"] > 0 and costs["cspd_ceiling_speedup"] > 0

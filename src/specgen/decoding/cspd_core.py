@@ -65,7 +65,7 @@ def run_chain(step: StepFn, x_init: torch.Tensor, noises: list[torch.Tensor]) ->
     return Trajectory(states, means, vars_)
 
 
-def _gauss_logpdf(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+def gauss_logpdf(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
     """Sum over dims of log N(x; mean, var) (N,), steps with var = 0 contribute 0."""
     live = var > 0
     v = torch.where(live, var, torch.ones_like(var))
@@ -75,7 +75,7 @@ def _gauss_logpdf(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> tor
 
 def chain_logprob(states: list[torch.Tensor], means: list[torch.Tensor], vars_: list[torch.Tensor]) -> torch.Tensor:
     """log prod_i N(x_{i-1}; mean_i, var_i) over the stochastic steps: (N,)."""
-    return sum(_gauss_logpdf(states[k + 1], means[k], vars_[k]) for k in range(len(means)))
+    return sum(gauss_logpdf(states[k + 1], means[k], vars_[k]) for k in range(len(means)))
 
 
 def evaluate_on(step: StepFn, states: list[torch.Tensor], max_rows: int = 4096

@@ -26,17 +26,10 @@ from pathlib import Path
 
 import torch
 
-from specgen.decoding.cspd_core import evaluate_on, run_chain
+from specgen.decoding.cspd_core import evaluate_on, gauss_logpdf as _terms, run_chain
 from specgen.decoding.mar import MARState, cfg_at, conditioning, head_step_fn, mar_step, model_conditions, schedule
 from specgen.decoding.sampling import make_generators
 from specgen.utils.checkpoints import atomic_write_text
-
-
-def _terms(x_next, mean, var):
-    live = var > 0
-    v = torch.where(live, var, torch.ones_like(var))
-    lp = -0.5 * ((x_next - mean) ** 2 / v + torch.log(2 * torch.pi * v))
-    return torch.where(live, lp, torch.zeros_like(lp)).sum(-1)
 
 
 @torch.no_grad()
