@@ -110,6 +110,11 @@ class GaussianDiffusion:
         prev = torch.cat([torch.ones(1, dtype=torch.float64), ac[:-1]])
         self.s_betas = 1 - ac / prev
         self.s_ac, self.s_ac_prev = ac, prev
+        # per sampling step, computed once in float64: the coefficients `step_mean_var` needs
+        beta, small = self.s_betas, self.s_betas * (1 - prev) / (1 - ac)
+        self._coefs = torch.stack([(1 - ac).sqrt(), ac.sqrt(), prev.sqrt() * beta / (1 - ac),
+                                   (1 - beta).sqrt() * (1 - prev) / (1 - ac), beta.log(), small.clamp_min(1e-20).log()])
+        self._coef_cache: dict = {}  # (device, dtype) -> the table cast there
 
     def vlb_term(self, eps: torch.Tensor, v: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
                  t: torch.Tensor) -> torch.Tensor:
@@ -149,14 +154,14 @@ class GaussianDiffusion:
         """
         d = x_t.shape[-1]
         eps = out[..., :d]
+        key = (x_t.device, x_t.dtype)
+        if key not in self._coef_cache:
+            self._coef_cache[key] = self._coefs.to(x_t.device, x_t.dtype)
+        table = self._coef_cache[key]  # (6, K)
         per_row = isinstance(i, torch.Tensor)
-        idx = i.cpu() if per_row else torch.tensor([i])
-        ac, ac_prev, beta = self.s_ac[idx], self.s_ac_prev[idx], self.s_betas[idx]  # float64 coefficients
-        small = beta * (1 - ac_prev) / (1 - ac)
-        coefs = torch.stack([(1 - ac).sqrt(), ac.sqrt(), ac_prev.sqrt() * beta / (1 - ac),
-                             (1 - beta).sqrt() * (1 - ac_prev) / (1 - ac), beta.log(), small.clamp_min(1e-20).log()])
-        coefs = coefs.to(x_t.device, x_t.dtype)[..., None]  # (6, N or 1, 1)
-        s1, sa, c0, ct, log_beta, log_small = coefs
+        if per_row:
+            i = i.to(x_t.device)
+        s1, sa, c0, ct, log_beta, log_small = (table[:, i] if per_row else table[:, i:i + 1])[..., None]
         x0 = ((x_t - s1 * eps) / sa).clamp(-10, 10)  # guards the noisiest steps
         mean = c0 * x0 + ct * x_t
         if not per_row and i == 0:
@@ -169,5 +174,5 @@ class GaussianDiffusion:
         else:
             var = (log_small if self.variance == "fixed_small" else log_beta).exp().expand_as(x_t).clone()
         if per_row:
-            var = torch.where((i == 0).to(x_t.device)[:, None], torch.zeros_like(var), var)
+            var = torch.where((i == 0)[:, None], torch.zeros_like(var), var)
         return mean, var
