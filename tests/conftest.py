@@ -37,4 +37,6 @@ def tiny_exports(tmp_path_factory):
     mar_cfg = {"_target_": "specgen.backbones.mar.ShapesMAR", "grid_size": 16, "token_dim": 8, "preset": "tiny",
                "sample_steps": 5}
     export(root / "mar", instantiate(mar_cfg), mar_cfg)
+    mar_p2_cfg = {**mar_cfg, "patch_size": 2}
+    export(root / "mar_p2", instantiate(mar_p2_cfg), mar_p2_cfg)
     return root

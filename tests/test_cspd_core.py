@@ -164,8 +164,12 @@ def test_cspd_bad_inputs():
     with pytest.raises(ValueError, match="unknown verify 'once'"):
         cspd.generate(m, ["a circle"], g, m, verify="once")
     other = ShapesMAR(grid_size=4, token_dim=5, preset="tiny", sample_steps=5)
-    with pytest.raises(ValueError, match=r"draft latents \(16 tokens of dim 5\) differ"):
+    with pytest.raises(ValueError, match=r"draft tokens \(16 tokens of dim 5, patch 1\) differ"):
         cspd.generate(m, ["a circle"], g, other)
+    target12 = ShapesMAR(grid_size=4, token_dim=12, preset="tiny", sample_steps=5)
+    patched = ShapesMAR(grid_size=8, token_dim=3, preset="tiny", sample_steps=5, patch_size=2)  # also 16 x 12
+    with pytest.raises(ValueError, match=r"patch 2\) differ from the target's \(16 of dim 12, patch 1\)"):
+        cspd.generate(target12, ["a circle"], g, patched)
 
 
 def test_head_chain_evaluated_in_one_call_equals_step_by_step():

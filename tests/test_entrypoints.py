@@ -17,8 +17,9 @@ TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "export_name:" in Path(CONFIG_DIR
 def _tiny_train(exp: str, exports: Path) -> list[str]:
     o = [f"experiment={exp}", "tokenizer.ch=16", "tokenizer.mults=[2,2]", "tokenizer.z_dim=8",
          "data.batch_size=4", "num_threads=1"] + (["tokenizer.num_codes=64", "backbone.num_codes=64"] if exp != "kl_shapes" else [])
-    if exp in ("mar_shapes_train", "mar_draft_train"):
-        return [f"module.target_dir={exports / 'mar'}"] * (exp == "mar_draft_train") + [f"experiment={exp}", f"data.tokenizer_dir={exports / 'kl'}", "data.shard_size=8", "data.train_shards=1",
+    if exp.startswith("mar_"):
+        target = exports / ("mar_p2" if "cpu" in exp else "mar")
+        return [f"module.target_dir={target}"] * ("draft" in exp) + [f"experiment={exp}", f"data.tokenizer_dir={exports / 'kl'}", "data.shard_size=8", "data.train_shards=1",
                 "data.encode_batch=8", "data.batch_size=2", "backbone.preset=tiny", "backbone.token_dim=8",
                 "backbone.sample_steps=5", "num_threads=1"]
     if exp.startswith("ar"):
@@ -56,7 +57,8 @@ def test_every_config_group_option_composes(tmp_path):
 
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
                                        ("clip_shapes", ["data.batch_size=4"]), ("kl_shapes", []), ("mar_shapes_train", []),
-                                       ("mar_draft_train", []),
+                                       ("mar_draft_train", []), ("mar_shapes_cpu_train", []),
+                                       ("mar_draft_cpu_train", []),
                                        ("ar_shapes_train", ["backbone.eol=true"]),
                                        ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
                                        ("fphi_tokens_shapes", ["drafter.num_codes=64"]),

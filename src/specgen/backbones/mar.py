@@ -31,14 +31,22 @@ class ShapesMAR(nn.Module):
                  num_classes: int = 1000, buffer_size: int = 40, mlp_ratio: float = 4.0, mask_ratio_min: float = 0.7,
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
-                 proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None):
+                 proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None,
+                 patch_size: int = 1):
         super().__init__()
+        if patch_size < 1 or grid_size % patch_size:
+            raise ValueError(f"patch_size={patch_size} must be >= 1 and divide grid_size={grid_size} "
+                             f"(e.g. patch_size=1 or 2 for a {grid_size}x{grid_size} latent)")
         if sizes is None and preset not in PRESETS:
             raise ValueError(f"unknown MAR preset {preset!r}: expected one of {sorted(PRESETS)}")
         if cond not in ("prompt", "class"):
             raise ValueError(f"cond must be 'prompt' or 'class', got {cond!r}")
         D, enc, dec, heads, hw, hd = sizes or PRESETS[preset]  # width, depths, heads, head width/depth
-        self.grid_size, self.token_dim, self.seq_len = grid_size, token_dim, grid_size * grid_size
+        # the tokenizer's latent layout, and the model's tokens: p x p latent patches (MAR's patchify)
+        self.latent_grid, self.latent_dim, self.patch_size = grid_size, token_dim, patch_size
+        self.grid_size, self.token_dim = grid_size // patch_size, token_dim * patch_size ** 2
+        self.seq_len = self.grid_size ** 2
+        token_dim = self.token_dim
         self.cond, self.buffer_size, self.label_drop_prob = cond, buffer_size, label_drop_prob
         self.diffusion_batch_mul = diffusion_batch_mul
         self.mask_ratio_generator = stats.truncnorm((mask_ratio_min - 1.0) / 0.25, 0, loc=1.0, scale=0.25)
@@ -92,10 +100,10 @@ class ShapesMAR(nn.Module):
 
     def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesMAR":
         """Attach the KL tokenizer used by `decode` (kept out of the state dict)."""
-        if tokenizer.z_dim != self.token_dim or tokenizer.grid_size != self.grid_size:
-            raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} tokens of dim "
-                             f"{tokenizer.z_dim}, the backbone expects {self.grid_size}x{self.grid_size} of dim "
-                             f"{self.token_dim}: load the tokenizer the backbone was trained with")
+        if tokenizer.z_dim != self.latent_dim or tokenizer.grid_size != self.latent_grid:
+            raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} latents of dim "
+                             f"{tokenizer.z_dim}, the backbone expects {self.latent_grid}x{self.latent_grid} of dim "
+                             f"{self.latent_dim}: load the tokenizer the backbone was trained with")
         self.__dict__["tokenizer"] = tokenizer
         return self
 
@@ -103,7 +111,26 @@ class ShapesMAR(nn.Module):
         """Latent tokens (B, L, d) -> images (B, 3, S, S) in [0, 1]."""
         if self.__dict__.get("tokenizer") is None:
             raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<kl folder>))")
-        return self.tokenizer.decode(tokens)
+        return self.tokenizer.decode(self.unpatchify(tokens))
+
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """Tokenizer latents (B, G*G, d), raster order -> model tokens (B, (G/p)^2, d*p*p), raster order."""
+        p, G, d = self.patch_size, self.latent_grid, self.latent_dim
+        if latents.shape[1:] != (G * G, d):
+            raise ValueError(f"expected latents of shape (B, {G * G}, {d}), got {tuple(latents.shape)}")
+        if p == 1:
+            return latents
+        g = G // p
+        x = latents.reshape(-1, g, p, g, p, d).permute(0, 1, 3, 5, 2, 4)  # (B, g, g, d, p, p) as MAR
+        return x.reshape(-1, g * g, d * p * p)
+
+    def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Inverse of `patchify`: model tokens (B, L, d*p*p) -> latents (B, G*G, d)."""
+        p, g, d = self.patch_size, self.grid_size, self.latent_dim
+        if p == 1:
+            return tokens
+        x = tokens.reshape(-1, g, g, d, p, p).permute(0, 1, 4, 2, 5, 3)  # (B, g, p, g, p, d)
+        return x.reshape(-1, g * p * g * p, d)
 
     # ---- conditions ----------------------------------------------------------------------------
     def condition(self, prompts: list[str] | torch.Tensor) -> torch.Tensor:
@@ -178,8 +205,9 @@ class ShapesMAR(nn.Module):
         mask = torch.zeros(B, self.seq_len, device=device).scatter(1, order[:, :n], 1.0)
         return mask, self.seq_len - n
 
-    def forward(self, tokens: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Diffusion loss on masked tokens: tokens (B, L, d), cond (B, buffer, D) -> scalar."""
+    def forward(self, latents: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Diffusion loss on masked tokens: tokenizer latents (B, G*G, d) (patchified here), cond (B, buffer, D)."""
+        tokens = self.patchify(latents)
         B = tokens.shape[0]
         if self.training and self.label_drop_prob > 0:
             drop = (torch.rand(B, 1, 1, device=tokens.device) < self.label_drop_prob).to(cond.dtype)

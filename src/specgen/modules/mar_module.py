@@ -50,9 +50,10 @@ class MARDraftModule(_Base):
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         target = load_exported(target_dir).requires_grad_(False)
-        if (target.token_dim, target.seq_len) != (net.token_dim, net.seq_len):
-            raise ValueError(f"draft latents ({net.seq_len} x {net.token_dim}) differ from the target's "
-                             f"({target.seq_len} x {target.token_dim}): use the target's tokenizer settings")
+        if (target.token_dim, target.seq_len, target.patch_size) != (net.token_dim, net.seq_len, net.patch_size):
+            raise ValueError(f"draft tokens ({net.seq_len} x {net.token_dim}, patch {net.patch_size}) differ from the "
+                             f"target's ({target.seq_len} x {target.token_dim}, patch {target.patch_size}): use the "
+                             f"target's tokenizer and backbone.patch_size")
         self.__dict__["target"] = target  # frozen, outside the module tree: never trained or saved
 
     def setup(self, stage=None):
@@ -62,7 +63,8 @@ class MARDraftModule(_Base):
         self.target.to(self.device).eval()
 
     def training_step(self, batch, batch_idx):
-        x0, prompts = batch["latents"], batch["prompt"]
+        latents, prompts = batch["latents"], batch["prompt"]
+        x0 = self.net.patchify(latents)
         B, Lq, d = x0.shape
         mask, known = self.net.random_mask(B, x0.device)
         z_d = self.net.conditions(x0, mask, self.net.condition(prompts), known)
@@ -77,7 +79,7 @@ class MARDraftModule(_Base):
         with torch.no_grad():
             out_t = self.target.denoise(x_t, t, z_t.reshape(B * Lq, -1)[sel])
         distill = F.mse_loss(out_d, out_t)
-        data = self.net(x0, self.net.condition(prompts)) if self.hparams.data_weight > 0 else torch.zeros(())
+        data = self.net(latents, self.net.condition(prompts)) if self.hparams.data_weight > 0 else torch.zeros(())
         loss = distill + self.hparams.data_weight * data
         self.log_dict({"train/loss": loss, "train/loss_distill": distill, "train/loss_data": data}, prog_bar=True,
                       batch_size=B)
