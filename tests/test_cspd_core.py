@@ -1,4 +1,6 @@
 """CSpD's accept + residual procedure on 1-D Gaussians, trajectory densities, alignment."""
+import math
+
 import pytest
 import torch
 from scipy import stats
@@ -214,3 +216,26 @@ def test_cspd_trace_splits_the_log_ratio_by_step(tmp_path):
     assert summ["exact/accept"] > 0.999 and summ["aligned/accept"] > 0.999
     costs = cspd_trace.costs(m, d, batch=2, num_iter=4)
     assert costs["target_only"] > 0 and costs["cspd_ceiling_speedup"] > 0
+
+
+def test_context_probe_neighbour_estimate_and_report(tmp_path):
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.evaluation.context_probe import neighbour_mean, probe
+    from specgen.tokenizers.kl import KLAutoencoder
+
+    x0 = torch.arange(9.0).reshape(1, 9, 1)  # a 3x3 token grid, one channel
+    mask = torch.zeros(1, 9)
+    mask[0, [4, 0, 1, 3]] = 1  # centre and the top-left corner with both its neighbours unknown
+    est = neighbour_mean(x0, mask, torch.full((1, 1, 1), -1.0))
+    assert float(est[0, 4, 0]) == (5 + 7) / 2  # known neighbours of the centre: 5 and 7 (1 and 3 are masked)
+    assert float(est[0, 0, 0]) == -1.0  # no known neighbour: the background
+    assert float(est[0, 1, 0]) == 2.0  # token 1: of its neighbours 0, 2 and 4, only 2 is known
+    torch.manual_seed(0)
+    mar = ShapesMAR(grid_size=16, token_dim=3, preset="tiny", sample_steps=5, patch_size=2).eval()
+    res = probe(mar, KLAutoencoder(image_size=64, ch=8, mults=(2, 4), z_dim=3).eval(), num_images=4,
+                known=(0.0, 0.9), timesteps=(500, 900))
+    assert 0 < res["foreground_share"] < 1
+    keys = {k for k in res if k != "foreground_share"}
+    assert keys == {f"{c}/known{k}/t{t}" for c in ("prompt", "null") for k in ("0", "0.9") for t in (500, 900)} | {
+        "neighbours/known0/t0", "neighbours/known0.9/t0"}
+    assert all(math.isfinite(v) and v <= 1 for v in res.values())
