@@ -4,18 +4,27 @@
 # About ten minutes; every budget scales with SCALE (see run.sh for the time-budget mechanism).
 #
 #   bash experiments/gpu_retrain/mar_continue.sh       # overwrites checkpoints/mar_shapes{,_draft}
+#   PAIR=p2 bash experiments/gpu_retrain/mar_continue.sh   # the CPU-sized pair: checkpoints/mar_p2_shapes{,_draft}
 #   SMOKE=1 bash experiments/gpu_retrain/mar_continue.sh   # a few steps on any device, own folders
 set -u
 PY=${PY:-python}
 LOGS=${LOGS:-logs/mar_continue}
 SCALE=${SCALE:-1}
 SMOKE=${SMOKE:-0}
+PAIR=${PAIR:-base}
+if [ "$PAIR" = p2 ]; then
+  TARGET=mar_p2_shapes; DRAFT=mar_p2_shapes_draft; TRAIN_EXP=mar_shapes_cpu_train; DRAFT_EXP=mar_draft_cpu_train
+elif [ "$PAIR" = base ]; then
+  TARGET=mar_shapes; DRAFT=mar_shapes_draft; TRAIN_EXP=mar_shapes_train; DRAFT_EXP=mar_draft_train
+else
+  echo "PAIR=$PAIR: expected base or p2" >&2; exit 2
+fi
 mkdir -p "$LOGS" && LOGS=$(cd "$LOGS" && pwd)
 : > "$LOGS/status.txt"
 CK=checkpoints
 if [ "$SMOKE" = 1 ]; then
-  CK="$LOGS/checkpoints" && mkdir -p "$CK" && cp -r checkpoints/kl_shapes checkpoints/mar_shapes checkpoints/mar_shapes_draft \
-    checkpoints/featnet_shapes "$CK/"
+  CK="$LOGS/checkpoints" && mkdir -p "$CK" && cp -r checkpoints/kl_shapes checkpoints/$TARGET checkpoints/featnet_shapes "$CK/"
+  [ -d checkpoints/$DRAFT ] && cp -r checkpoints/$DRAFT "$CK/"
   COMMON="paths.checkpoint_dir=$CK paths.data_dir=$LOGS/data trainer=cpu logger=csv trainer.max_steps=3 trainer.val_check_interval=3 ++trainer.limit_val_batches=1"
   TOK="data.shard_size=64 data.train_shards=1 data.encode_batch=32"
   EVAL="paths.checkpoint_dir=$CK benchmark.geneval.prompts_per_task=1 benchmark.geneval.samples_per_prompt=1 decoding.fn.num_iter=2"
@@ -38,12 +47,14 @@ job() {  # job <name> <module> <overrides...>
   return $rc
 }
 
-job latents specgen.train experiment=mar_shapes_train $TOK $COMMON prepare_only=true || exit 1
-job mar specgen.train experiment=mar_shapes_train $TOK $COMMON init_from=$CK/mar_shapes module.lr=6e-4 \
+DRAFT_INIT=""
+[ -d "$CK/$DRAFT" ] && DRAFT_INIT="init_from=$CK/$DRAFT"  # the first p2 draft starts from scratch
+job latents specgen.train experiment=$TRAIN_EXP $TOK $COMMON prepare_only=true || exit 1
+job mar specgen.train experiment=$TRAIN_EXP $TOK $COMMON init_from=$CK/$TARGET module.lr=6e-4 \
   module.warmup_steps=200 $(budget 330) || exit 1
-job draft specgen.train experiment=mar_draft_train $TOK $COMMON init_from=$CK/mar_shapes_draft module.warmup_steps=100 \
+job draft specgen.train experiment=$DRAFT_EXP $TOK $COMMON $DRAFT_INIT module.warmup_steps=100 \
   $(budget 120) || exit 1
-job geneval specgen.eval decoding=mar generator=shapes_mar generator.device=$DEV benchmark=geneval_shapes logger=csv $EVAL
-$PY -m specgen.evaluation.cspd_trace --backbone $CK/mar_shapes --draft $CK/mar_shapes_draft --out "$LOGS/trace" \
+job geneval specgen.eval experiment=mar_shapes generator.backbone_dir=$CK/$TARGET generator.device=$DEV logger=csv $EVAL
+$PY -m specgen.evaluation.cspd_trace --backbone $CK/$TARGET --draft $CK/$DRAFT --out "$LOGS/trace" \
   > "$LOGS/trace.log" 2>&1; echo "trace rc=$?" | tee -a "$LOGS/status.txt"
 echo "all jobs finished" | tee -a "$LOGS/status.txt"
