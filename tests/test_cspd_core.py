@@ -233,9 +233,11 @@ def test_context_probe_neighbour_estimate_and_report(tmp_path):
     torch.manual_seed(0)
     mar = ShapesMAR(grid_size=16, token_dim=3, preset="tiny", sample_steps=5, patch_size=2).eval()
     res = probe(mar, KLAutoencoder(image_size=64, ch=8, mults=(2, 4), z_dim=3).eval(), num_images=4,
-                known=(0.0, 0.9), timesteps=(500, 900))
+                known=(0.0, 0.9), timesteps=(1, 900))
     assert 0 < res["foreground_share"] < 1
     keys = {k for k in res if k != "foreground_share"}
-    assert keys == {f"{c}/known{k}/t{t}" for c in ("prompt", "null") for k in ("0", "0.9") for t in (500, 900)} | {
-        "neighbours/known0/t0", "neighbours/known0.9/t0"}
+    assert keys == {f"{c}/known{k}/t{t}" for c in ("prompt", "null") for k in ("0", "0.9") for t in (1, 900)} | {
+        "neighbours/known0", "neighbours/known0.9"}
     assert all(math.isfinite(v) and v <= 1 for v in res.values())
+    # at t=1 x_t is the latent up to 1e-4 of noise: any bounded denoiser's x0-estimate explains it almost fully
+    assert min(res[f"{c}/known{k}/t1"] for c in ("prompt", "null") for k in ("0", "0.9")) > 0.9

@@ -113,6 +113,14 @@ class ShapesMAR(nn.Module):
             raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<kl folder>))")
         return self.tokenizer.decode(self.unpatchify(tokens))
 
+    def check_draft(self, draft: "ShapesMAR") -> None:
+        """A draft must work on this model's tokens: same count, dimension and latent patching."""
+        mine, its = (self.seq_len, self.token_dim, self.patch_size), (draft.seq_len, draft.token_dim, draft.patch_size)
+        if mine != its:
+            raise ValueError(f"draft tokens ({its[0]} tokens of dim {its[1]}, patch {its[2]}) differ from the "
+                             f"target's ({mine[0]} of dim {mine[1]}, patch {mine[2]}): train the draft on the "
+                             f"target's tokenizer and backbone.patch_size")
+
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """Tokenizer latents (B, G*G, d), raster order -> model tokens (B, (G/p)^2, d*p*p), raster order."""
         p, G, d = self.patch_size, self.latent_grid, self.latent_dim

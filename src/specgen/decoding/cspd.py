@@ -41,10 +41,7 @@ def _check(target, draft, prefill_ratio: float, gamma: int, acceptance: str, ver
         raise ValueError(f"unknown acceptance {acceptance!r}: expected one of {ACCEPTANCE}")
     if verify not in VERIFY:
         raise ValueError(f"unknown verify {verify!r}: expected one of {VERIFY}")
-    if (draft.token_dim, draft.seq_len, draft.patch_size) != (target.token_dim, target.seq_len, target.patch_size):
-        raise ValueError(f"draft tokens ({draft.seq_len} tokens of dim {draft.token_dim}, patch {draft.patch_size}) "
-                         f"differ from the target's ({target.seq_len} of dim {target.token_dim}, patch "
-                         f"{target.patch_size}): train the draft on the target's tokenizer and patch size")
+    target.check_draft(draft)
 
 
 def _rng(st: MARState, rows: torch.Tensor):

@@ -41,24 +41,22 @@ def probe(backbone, tokenizer, num_images: int = 64, known: tuple[float, ...] = 
     order = torch.argsort(torch.rand(B, L, generator=g), dim=1)
     noise = torch.randn(B * L, d, generator=g)
     out = {"foreground_share": float(foreground.float().mean())}
-    for cond_name, cond in (("prompt", backbone.condition([m["prompt"] for m, _ in examples])),
-                            ("null", backbone.null_condition(B))):
-        for share in known:
-            n = int(L * share)
-            mask = torch.ones(B, L).scatter(1, order[:, :n], 0.0)  # the first n of each order are known
-            z = backbone.conditions(x0, mask, cond, n).reshape(B * L, -1)
-            sel = (mask > 0.5).reshape(-1) & foreground.reshape(-1)
-            x = x0.reshape(B * L, d)[sel]
-            var = float(((x - x.mean(0)) ** 2).mean())
-            if cond_name == "prompt":
-                out[f"neighbours/known{share:g}/t0"] = 1 - float(((neighbour_mean(x0, mask, background)
-                                                                   .reshape(B * L, d)[sel] - x) ** 2).mean()) / var
+    conds = {"prompt": backbone.condition([m["prompt"] for m, _ in examples]), "null": backbone.null_condition(B)}
+    for share in known:
+        n = int(L * share)
+        mask = torch.ones(B, L).scatter(1, order[:, :n], 0.0)  # the first n of each order are known
+        sel = (mask > 0.5).reshape(-1) & foreground.reshape(-1)
+        x = x0.reshape(B * L, d)[sel]
+        var = float(((x - x.mean(0)) ** 2).mean())
+        est = neighbour_mean(x0, mask, background).reshape(B * L, d)[sel]
+        out[f"neighbours/known{share:g}"] = 1 - float(((est - x) ** 2).mean()) / var
+        for cond_name, cond in conds.items():
+            z = backbone.conditions(x0, mask, cond, n).reshape(B * L, -1)[sel]
             for t in timesteps:
                 a = diff.alphas_cumprod[t].float()
                 tt = torch.full((x.shape[0],), t)
-                x_t = a.sqrt() * x + (1 - a).sqrt() * noise[sel]
-                eps = backbone.denoise(x_t, tt, z[sel])[:, :d]
-                x0_hat = (x_t - (1 - a).sqrt() * eps) / a.sqrt()
+                x_t = diff.q_sample(x, tt, noise[sel])
+                x0_hat = (x_t - (1 - a).sqrt() * backbone.denoise(x_t, tt, z)[:, :d]) / a.sqrt()
                 out[f"{cond_name}/known{share:g}/t{t}"] = 1 - float(((x0_hat - x) ** 2).mean()) / var
     return out
 
@@ -90,17 +88,15 @@ def main(argv=None):
     res = probe(backbone, load_exported(args.tokenizer).eval(), args.images)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    steps = sorted({k.rsplit("/", 1)[1] for k in res if "/" in k and not k.startswith("neighbours")},
-                   key=lambda s: int(s[1:]))
+    model_keys = [k for k in res if k.count("/") == 2]
+    steps = sorted({k.rsplit("/", 1)[1] for k in model_keys}, key=lambda s: int(s[1:]))
     print(f"explained share of masked foreground latent variance ({res['foreground_share']:.2f} of tokens foreground)")
     print(f"{'condition':<11}{'known':>6}" + "".join(f"{s:>9}" for s in steps))
-    for key in sorted({k.rsplit("/", 1)[0] for k in res if "/" in k}):
+    for key in sorted({k.rsplit("/", 1)[0] for k in model_keys}):
         cond, known = key.split("/")
-        row = [f"{res[f'{key}/{s}']:>9.3f}" if f"{key}/{s}" in res else f"{'':>9}" for s in steps]
-        if cond == "neighbours":
-            row = [f"{res[f'{key}/t0']:>9.3f}"] + [f"{'':>9}"] * (len(steps) - 1)
-        print(f"{cond:<11}{known[5:]:>6}" + "".join(row))
-
+        print(f"{cond:<11}{known[5:]:>6}" + "".join(f"{res[f'{key}/{s}']:>9.3f}" for s in steps))
+    for key in sorted(k for k in res if k.startswith("neighbours/")):
+        print(f"{'neighbours':<11}{key.split('/')[1][5:]:>6}{res[key]:>9.3f}  (no model, any t)")
 
 if __name__ == "__main__":
     main()

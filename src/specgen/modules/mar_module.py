@@ -50,10 +50,7 @@ class MARDraftModule(_Base):
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         target = load_exported(target_dir).requires_grad_(False)
-        if (target.token_dim, target.seq_len, target.patch_size) != (net.token_dim, net.seq_len, net.patch_size):
-            raise ValueError(f"draft tokens ({net.seq_len} x {net.token_dim}, patch {net.patch_size}) differ from the "
-                             f"target's ({target.seq_len} x {target.token_dim}, patch {target.patch_size}): use the "
-                             f"target's tokenizer and backbone.patch_size")
+        target.check_draft(net)
         self.__dict__["target"] = target  # frozen, outside the module tree: never trained or saved
 
     def setup(self, stage=None):
