@@ -98,6 +98,63 @@ def test_mar_patches_of_the_latent_grid():
             KLAutoencoder(image_size=8, ch=8, mults=(2, 4), z_dim=3))
 
 
+def test_mar_mask_ratio_distributions():
+    """MAR's truncated normal stays in [min, 1]; the cosine option reaches the well-known contexts
+    (mean 2/pi for minimum 0) and always masks at least one token; bad options are named."""
+    import numpy as np
+
+    from specgen.backbones.mar import ShapesMAR
+
+    np.random.seed(0)
+    mar = ShapesMAR(grid_size=4, token_dim=3, preset="tiny")
+    r = np.array([mar.mask_ratio() for _ in range(2000)])
+    assert r.min() >= 0.7 and r.max() <= 1.0
+    cos = ShapesMAR(grid_size=4, token_dim=3, preset="tiny", mask_ratio_dist="cosine", mask_ratio_min=0.0)
+    r = np.array([cos.mask_ratio() for _ in range(4000)])
+    assert abs(r.mean() - 2 / math.pi) < 0.02 and (r < 0.3).mean() > 0.15
+    # the share masked below 1/2 is P(cos(pi u / 2) < 1/2) = P(u > 2/3) = 1/3
+    assert abs((r < 0.5).mean() - 1 / 3) < 0.03
+    for _ in range(200):
+        mask, known = cos.random_mask(3, "cpu")
+        assert (mask.sum(1) >= 1).all() and (mask.sum(1) == cos.seq_len - known).all()
+    with pytest.raises(ValueError, match="mask_ratio_dist"):
+        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", mask_ratio_dist="uniform")
+    with pytest.raises(ValueError, match="mask_ratio_min"):
+        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", mask_ratio_min=1.5)
+
+
+def test_mar_module_ema_follows_the_weights():
+    """EMA: starts at the weights fitting starts from, then e <- d e + (1 - d) p with d = min(decay, (1+n)/(10+n));
+    it is the exported network, and the module without it exports its raw weights."""
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.modules.mar_module import MARModule
+
+    torch.manual_seed(0)
+    module = MARModule(ShapesMAR(grid_size=4, token_dim=3, preset="tiny"), ema_decay=0.5)
+    assert module.export_net is module.ema
+    with torch.no_grad():
+        module.net.z_proj.weight.add_(1.0)  # e.g. init_from loaded other weights before fit
+    module.on_fit_start()
+    assert torch.equal(module.ema.z_proj.weight, module.net.z_proj.weight)
+    expected = module.ema.z_proj.weight.clone()
+    for n in range(12):
+        with torch.no_grad():
+            module.net.z_proj.weight.add_(torch.randn_like(module.net.z_proj.weight))
+        module.update_ema()
+        d = min(0.5, (1 + n) / (10 + n))
+        expected = d * expected + (1 - d) * module.net.z_proj.weight
+    assert torch.allclose(module.ema.z_proj.weight, expected, atol=1e-6)
+    assert int(module.ema_updates) == 12
+    assert not torch.allclose(module.ema.z_proj.weight, module.net.z_proj.weight)
+    module.on_fit_start()  # a resumed run keeps its EMA
+    assert torch.allclose(module.ema.z_proj.weight, expected, atol=1e-6)
+    assert not any(p.requires_grad for p in module.ema.parameters())
+    plain = MARModule(ShapesMAR(grid_size=4, token_dim=3, preset="tiny"))
+    assert plain.ema is None and plain.export_net is plain.net
+    with pytest.raises(ValueError, match="module.ema_decay"):
+        MARModule(ShapesMAR(grid_size=4, token_dim=3, preset="tiny"), ema_decay=1.5)
+
+
 def test_vlb_term_vanishes_for_the_true_posterior():
     diff = GaussianDiffusion()
     x0, noise = torch.randn(6, 4), torch.randn(6, 4)

@@ -97,6 +97,30 @@ def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_e
     assert int(ckpt["optimizer_states"][0]["state"][0]["step"]) == 4
 
 
+def test_mar_ema_is_exported_and_resumed(tmp_path, tiny_exports):
+    """The CPU-sized MAR experiment trains an EMA: it is saved in checkpoints, continued on resume, validated
+    (val/loss_ema) and is what the export holds."""
+    from safetensors.torch import load_file
+
+    from specgen.train import train
+
+    base = _tiny_train("mar_shapes_cpu_train", tiny_exports) + [
+        "trainer.val_check_interval=2", "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.limit_val_batches=1",
+        "export_name=export", "logger=none", "module.ema_decay=0.9", "trainer.precision=32-true",
+        "module.warmup_steps=1", "module.lr=1e-2"]
+    train(compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path))
+    cfg = compose_cfg("train", base + ["trainer.max_steps=4"], tmp_path)
+    metrics = train(cfg)
+    assert "val/loss_ema" in metrics and "val/loss" in metrics
+    sd = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", map_location="cpu",
+                    weights_only=False)["state_dict"]
+    assert int(sd["ema_updates"]) == 4  # two steps of each run: the resumed run continued the EMA
+    exported = load_file(str(tmp_path / "checkpoints" / "export" / "model.safetensors"))
+    w = "diffloss.net.input_proj.weight"
+    assert torch.allclose(exported[w].float(), sd["ema." + w], atol=2e-3)
+    assert not torch.allclose(sd["ema." + w], sd["net." + w], atol=1e-4)
+
+
 def test_config_value_of_wrong_type_is_named(tmp_path):
     cfg = compose_cfg("train", ["experiment=vq_shapes", "data.batch_size=abc"], tmp_path)
     from hydra.errors import InstantiationException

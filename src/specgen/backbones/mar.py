@@ -9,6 +9,7 @@ Sampling is `specgen.decoding.mar`'s job; this module exposes the pieces it need
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
@@ -32,13 +33,17 @@ class ShapesMAR(nn.Module):
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
                  proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None,
-                 patch_size: int = 1):
+                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm"):
         super().__init__()
         if patch_size < 1 or grid_size % patch_size:
             raise ValueError(f"patch_size={patch_size} must be >= 1 and divide grid_size={grid_size} "
                              f"(e.g. patch_size=1 or 2 for a {grid_size}x{grid_size} latent)")
         if sizes is None and preset not in PRESETS:
             raise ValueError(f"unknown MAR preset {preset!r}: expected one of {sorted(PRESETS)}")
+        if mask_ratio_dist not in ("truncnorm", "cosine"):
+            raise ValueError(f"mask_ratio_dist must be 'truncnorm' (MAR) or 'cosine' (MaskGIT), got {mask_ratio_dist!r}")
+        if not 0.0 <= mask_ratio_min <= 1.0:
+            raise ValueError(f"mask_ratio_min must lie in [0, 1], got {mask_ratio_min}")
         if cond not in ("prompt", "class"):
             raise ValueError(f"cond must be 'prompt' or 'class', got {cond!r}")
         D, enc, dec, heads, hw, hd = sizes or PRESETS[preset]  # width, depths, heads, head width/depth
@@ -49,6 +54,7 @@ class ShapesMAR(nn.Module):
         token_dim = self.token_dim
         self.cond, self.buffer_size, self.label_drop_prob = cond, buffer_size, label_drop_prob
         self.diffusion_batch_mul = diffusion_batch_mul
+        self.mask_ratio_min, self.mask_ratio_dist = mask_ratio_min, mask_ratio_dist
         self.mask_ratio_generator = stats.truncnorm((mask_ratio_min - 1.0) / 0.25, 0, loc=1.0, scale=0.25)
         if cond == "prompt":
             from specgen.world.prompts import WORDS
@@ -204,11 +210,18 @@ class ShapesMAR(nn.Module):
         return self.diffloss.net(x_t, t, z)
 
     # ---- training --------------------------------------------------------------------------------
+    def mask_ratio(self) -> float:
+        """One training mask ratio in [mask_ratio_min, 1]: MAR's truncated normal (mean about 0.86 for the
+        default minimum 0.7), or MaskGIT's cos(pi/2 u), u ~ U(0, 1), clipped below at the minimum (mean 0.64
+        for minimum 0), which trains on the well-known contexts of the late sampling steps as often."""
+        if self.mask_ratio_dist == "cosine":
+            return max(self.mask_ratio_min, math.cos(math.pi / 2 * float(np.random.uniform())))
+        return float(self.mask_ratio_generator.rvs(1)[0])
+
     def random_mask(self, B: int, device) -> tuple[torch.Tensor, int]:
-        """(B, L) masks of a random order each (1 = unknown), one shared mask ratio drawn from MAR's truncated
-        normal, and the number of known tokens per row (for `conditions`)."""
-        rate = float(self.mask_ratio_generator.rvs(1)[0])
-        n = int(np.ceil(self.seq_len * rate))
+        """(B, L) masks of a random order each (1 = unknown), one shared mask ratio (`mask_ratio`), and the
+        number of known tokens per row (for `conditions`). At least one token is masked."""
+        n = min(self.seq_len, max(1, int(np.ceil(self.seq_len * self.mask_ratio()))))
         order = torch.argsort(torch.rand(B, self.seq_len, device=device), dim=1)
         mask = torch.zeros(B, self.seq_len, device=device).scatter(1, order[:, :n], 1.0)
         return mask, self.seq_len - n

@@ -11,7 +11,8 @@ from specgen.utils.checkpoints import export
 
 
 class ExportModel(L.Callback):
-    """At the end of fit (and at every validation), write `pl_module.net` as an exported model folder."""
+    """At the end of fit (and at every validation), write the trained network as an exported model folder:
+    `pl_module.export_net` where the module defines one (e.g. its EMA weights), else `pl_module.net`."""
 
     def __init__(self, dirpath: str, net_cfg, every_validation: bool = True, weights_dtype: str = "float32"):
         self.dirpath, self.net_cfg, self.every_validation = dirpath, net_cfg, every_validation
@@ -26,9 +27,10 @@ class ExportModel(L.Callback):
         extra = pl_module.export_extra() if hasattr(pl_module, "export_extra") else None
         net_cfg = OmegaConf.to_container(self.net_cfg, resolve=True) if isinstance(self.net_cfg, DictConfig) \
             else dict(self.net_cfg)
-        if hasattr(pl_module.net, "export_config"):  # values measured in training, e.g. a latent scale
-            net_cfg.update(pl_module.net.export_config())
-        export(self.dirpath, pl_module.net, net_cfg, metrics, command, extra, self.weights_dtype)
+        net = getattr(pl_module, "export_net", pl_module.net)
+        if hasattr(net, "export_config"):  # values measured in training, e.g. a latent scale
+            net_cfg.update(net.export_config())
+        export(self.dirpath, net, net_cfg, metrics, command, extra, self.weights_dtype)
 
     def on_validation_end(self, trainer, pl_module):
         if self.every_validation:

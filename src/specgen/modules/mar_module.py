@@ -2,6 +2,8 @@
 a cheaper draft from the frozen target (matching its denoiser outputs on shared masks and noise)."""
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -12,19 +14,61 @@ from specgen.utils.validate import expect_float
 
 
 class _Base(L.LightningModule):
+    """Optimiser and an optional exponential moving average of the weights (MAR samples with its EMA).
+
+    With `ema_decay` set, `self.ema` follows `self.net` after every optimiser step (`update_ema`) with decay
+    min(ema_decay, (1 + n) / (10 + n)) at update n (short warm-up), starts from the weights `net` has
+    when fitting starts (so `init_from` seeds it), is saved in Lightning checkpoints (a resumed run
+    continues it), is validated beside the raw weights (`val/...` and `val/..._ema`), and is what
+    `export_net` hands to the export callback."""
+
+    def _init_ema(self, ema_decay: float | None):
+        if ema_decay is not None:
+            expect_float("module.ema_decay", ema_decay, 0.0, 1.0)
+            self.ema = copy.deepcopy(self.net).requires_grad_(False)
+            self.register_buffer("ema_updates", torch.zeros((), dtype=torch.long))
+        else:
+            self.ema = None
+
+    @property
+    def export_net(self) -> ShapesMAR:
+        return self.net if self.ema is None else self.ema
+
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
                                    self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.95))
+
+    def on_fit_start(self):
+        if self.ema is not None and int(self.ema_updates) == 0:  # fresh (or init_from) run: start at net
+            self.ema.load_state_dict(self.net.state_dict())
+
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        self.update_ema()  # here, not in on_train_batch_end: checkpoint callbacks run before that hook
+
+    @torch.no_grad()
+    def update_ema(self):
+        if self.ema is None:
+            return
+        n = int(self.ema_updates)
+        decay = min(self.hparams.ema_decay, (1 + n) / (10 + n))
+        for e, p in zip(self.ema.parameters(), self.net.parameters()):
+            e.lerp_(p.detach(), 1 - decay)
+        for e, b in zip(self.ema.buffers(), self.net.buffers()):
+            e.copy_(b)
+        self.ema_updates += 1
 
 
 class MARModule(_Base):
     """Trains a ShapesMAR on (prompt, KL latents) pairs with MAR's masked diffusion loss."""
 
-    def __init__(self, net: ShapesMAR, lr: float = 8e-4, weight_decay: float = 0.02, warmup_steps: int = 500):
+    def __init__(self, net: ShapesMAR, lr: float = 8e-4, weight_decay: float = 0.02, warmup_steps: int = 500,
+                 ema_decay: float | None = None):
         super().__init__()
         expect_float("module.lr", lr, 0.0)
         self.save_hyperparameters(ignore=["net"])
         self.net = net
+        self._init_ema(ema_decay)
 
     def training_step(self, batch, batch_idx):
         loss = self.net(batch["latents"], self.net.condition(batch["prompt"]))
@@ -32,9 +76,11 @@ class MARModule(_Base):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.net.train(False)
-        loss = self.net(batch["latents"], self.net.condition(batch["prompt"]))
-        self.log("val/loss", loss, prog_bar=True, batch_size=len(batch["prompt"]))
+        for name, net in (("val/loss", self.net), ("val/loss_ema", self.ema)):
+            if net is not None:
+                net.train(False)
+                loss = net(batch["latents"], net.condition(batch["prompt"]))
+                self.log(name, loss, prog_bar=True, batch_size=len(batch["prompt"]))
 
 
 class MARDraftModule(_Base):
@@ -43,12 +89,13 @@ class MARDraftModule(_Base):
     `data_weight` x the draft's own diffusion loss on the data."""
 
     def __init__(self, net: ShapesMAR, target_dir: str, lr: float = 1e-3, weight_decay: float = 0.0,
-                 warmup_steps: int = 200, data_weight: float = 0.5):
+                 warmup_steps: int = 200, data_weight: float = 0.5, ema_decay: float | None = None):
         super().__init__()
         from specgen.utils.checkpoints import load_exported
 
         self.save_hyperparameters(ignore=["net"])
         self.net = net
+        self._init_ema(ema_decay)
         target = load_exported(target_dir).requires_grad_(False)
         target.check_draft(net)
         self.__dict__["target"] = target  # frozen, outside the module tree: never trained or saved
@@ -58,6 +105,7 @@ class MARDraftModule(_Base):
 
     def on_fit_start(self):  # Lightning moves the module to its device after setup(): follow it
         self.target.to(self.device).eval()
+        super().on_fit_start()
 
     def training_step(self, batch, batch_idx):
         latents, prompts = batch["latents"], batch["prompt"]
@@ -83,4 +131,7 @@ class MARDraftModule(_Base):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val/loss_data", self.net(batch["latents"], self.net.condition(batch["prompt"])), batch_size=len(batch["prompt"]))
+        for name, net in (("val/loss_data", self.net), ("val/loss_data_ema", self.ema)):
+            if net is not None:
+                net.train(False)
+                self.log(name, net(batch["latents"], net.condition(batch["prompt"])), batch_size=len(batch["prompt"]))
