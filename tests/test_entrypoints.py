@@ -108,13 +108,19 @@ def test_mar_ema_is_exported_and_resumed(tmp_path, tiny_exports):
         "trainer.val_check_interval=2", "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.limit_val_batches=1",
         "export_name=export", "logger=none", "module.ema_decay=0.9", "trainer.precision=32-true",
         "module.warmup_steps=1", "module.lr=1e-2"]
-    train(compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path))
-    cfg = compose_cfg("train", base + ["trainer.max_steps=4"], tmp_path)
-    metrics = train(cfg)
+    cfg = compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path)
+    train(cfg)
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    # the checkpoint holds the EMA after the step it was saved at (not one update behind)
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
+    assert int(ckpt["state_dict"]["ema_updates"]) == 2
+    ckpt["state_dict"]["ema_updates"].fill_(100)  # marks the checkpoint: a fresh start would count from 0
+    torch.save(ckpt, last)
+    metrics = train(compose_cfg("train", base + ["trainer.max_steps=4"], tmp_path))
     assert "val/loss_ema" in metrics and "val/loss" in metrics
-    sd = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", map_location="cpu",
-                    weights_only=False)["state_dict"]
-    assert int(sd["ema_updates"]) == 4  # two steps of each run: the resumed run continued the EMA
+    ckpt = torch.load(last, map_location="cpu", weights_only=False)
+    sd = ckpt["state_dict"]
+    assert ckpt["global_step"] == 4 and int(sd["ema_updates"]) == 102  # resumed at step 2, EMA state continued
     exported = load_file(str(tmp_path / "checkpoints" / "export" / "model.safetensors"))
     w = "diffloss.net.input_proj.weight"
     assert torch.allclose(exported[w].float(), sd["ema." + w], atol=2e-3)

@@ -34,6 +34,10 @@ class _Base(L.LightningModule):
     def export_net(self) -> ShapesMAR:
         return self.net if self.ema is None else self.ema
 
+    def validated_nets(self):
+        """(metric suffix, network) pairs that validation scores: the raw weights, then the EMA if any."""
+        return [("", self.net)] + ([("_ema", self.ema)] if self.ema is not None else [])
+
     def configure_optimizers(self):
         return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
                                    self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.95))
@@ -76,11 +80,10 @@ class MARModule(_Base):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        for name, net in (("val/loss", self.net), ("val/loss_ema", self.ema)):
-            if net is not None:
-                net.train(False)
-                loss = net(batch["latents"], net.condition(batch["prompt"]))
-                self.log(name, loss, prog_bar=True, batch_size=len(batch["prompt"]))
+        for suffix, net in self.validated_nets():
+            net.train(False)
+            loss = net(batch["latents"], net.condition(batch["prompt"]))
+            self.log("val/loss" + suffix, loss, prog_bar=True, batch_size=len(batch["prompt"]))
 
 
 class MARDraftModule(_Base):
@@ -131,7 +134,7 @@ class MARDraftModule(_Base):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        for name, net in (("val/loss_data", self.net), ("val/loss_data_ema", self.ema)):
-            if net is not None:
-                net.train(False)
-                self.log(name, net(batch["latents"], net.condition(batch["prompt"])), batch_size=len(batch["prompt"]))
+        for suffix, net in self.validated_nets():
+            net.train(False)
+            self.log("val/loss_data" + suffix, net(batch["latents"], net.condition(batch["prompt"])),
+                     batch_size=len(batch["prompt"]))
