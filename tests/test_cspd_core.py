@@ -220,7 +220,7 @@ def test_cspd_trace_splits_the_log_ratio_by_step(tmp_path):
 
 def test_context_probe_neighbour_estimate_and_report(tmp_path):
     from specgen.backbones.mar import ShapesMAR
-    from specgen.evaluation.context_probe import neighbour_mean, probe
+    from specgen.evaluation.context_probe import neighbour_mean, probe, timestep_losses
     from specgen.tokenizers.kl import KLAutoencoder
 
     x0 = torch.arange(9.0).reshape(1, 9, 1)  # a 3x3 token grid, one channel
@@ -241,3 +241,11 @@ def test_context_probe_neighbour_estimate_and_report(tmp_path):
     assert all(math.isfinite(v) and v <= 1 for v in res.values())
     # at t=1 x_t is the latent up to 1e-4 of noise: any bounded denoiser's x0-estimate explains it almost fully
     assert min(res[f"{c}/known{k}/t1"] for c in ("prompt", "null") for k in ("0", "0.9")) > 0.9
+    # loss by timestep: the fresh head outputs epsilon = 0, so its epsilon MSE is E[noise^2] = 1 at every t,
+    # and the x0 MSE it implies grows as SNR_t falls
+    losses = timestep_losses(mar, KLAutoencoder(image_size=64, ch=8, mults=(2, 4), z_dim=3).eval(), num_images=4,
+                             timesteps=(0, 500, 950))
+    for c in ("prompt", "null"):
+        assert all(abs(losses[f"{c}/t{t}/eps_mse"] - 1) < 0.1 for t in (0, 500, 950))
+        assert losses[f"{c}/t0/x0_mse"] < losses[f"{c}/t500/x0_mse"] < losses[f"{c}/t950/x0_mse"]
+        assert math.isclose(losses[f"{c}/t500/x0_mse"] * losses["snr/t500"], losses[f"{c}/t500/eps_mse"])

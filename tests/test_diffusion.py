@@ -123,6 +123,34 @@ def test_mar_mask_ratio_distributions():
         ShapesMAR(grid_size=4, token_dim=3, preset="tiny", mask_ratio_min=1.5)
 
 
+def test_mar_min_snr_weighting():
+    """Min-SNR: the epsilon MSE of timestep t is scaled by min(SNR_t, gamma) / SNR_t (1 at the noisy
+    timesteps, gamma / SNR_t at the clean ones), the same draws otherwise; null keeps MAR's loss."""
+    from specgen.backbones.mar import ShapesMAR
+
+    torch.manual_seed(0)
+    plain = ShapesMAR(grid_size=4, token_dim=3, preset="tiny", variance="fixed_small")
+    weighted = ShapesMAR(grid_size=4, token_dim=3, preset="tiny", variance="fixed_small", min_snr_gamma=5.0)
+    weighted.load_state_dict(plain.state_dict())
+    ac = plain.diffusion.alphas_cumprod
+    t = torch.tensor([0, 100, 300, 500, 999])
+    snr = ac[t] / (1 - ac[t])
+    w = weighted.min_snr_weight(t)
+    assert torch.allclose(w.double(), torch.minimum(snr, torch.full_like(snr, 5.0)) / snr, rtol=1e-6)
+    assert w[-1] == 1 and w[0] < 1e-3 and bool((w[1:] >= w[:-1]).all())  # noisier -> weight up to 1
+    x0, z = torch.randn(64, 3), torch.randn(64, 64)
+    torch.manual_seed(1)
+    lp = plain.diffusion_loss(x0, z)
+    torch.manual_seed(1)
+    tt = torch.randint(0, 1000, (64,))  # the timesteps diffusion_loss draws first
+    torch.manual_seed(1)
+    lw = weighted.diffusion_loss(x0, z)
+    assert torch.allclose(lw, lp * weighted.min_snr_weight(tt), rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(lw, lp)
+    with pytest.raises(ValueError, match="min_snr_gamma"):
+        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", min_snr_gamma=0)
+
+
 def test_mar_module_ema_follows_the_weights():
     """EMA: starts at the weights fitting starts from, then e <- d e + (1 - d) p with d = min(decay, (1+n)/(10+n));
     it is the exported network, and the module without it exports its raw weights."""

@@ -33,7 +33,7 @@ class ShapesMAR(nn.Module):
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
                  proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None,
-                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm"):
+                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm", min_snr_gamma: float | None = None):
         super().__init__()
         if patch_size < 1 or grid_size % patch_size:
             raise ValueError(f"patch_size={patch_size} must be >= 1 and divide grid_size={grid_size} "
@@ -42,6 +42,9 @@ class ShapesMAR(nn.Module):
             raise ValueError(f"unknown MAR preset {preset!r}: expected one of {sorted(PRESETS)}")
         if mask_ratio_dist not in ("truncnorm", "cosine"):
             raise ValueError(f"mask_ratio_dist must be 'truncnorm' (MAR) or 'cosine' (MaskGIT), got {mask_ratio_dist!r}")
+        if min_snr_gamma is not None and not min_snr_gamma > 0:
+            raise ValueError(f"min_snr_gamma must be a positive number (5 in Min-SNR) or null for MAR's unweighted "
+                             f"loss, got {min_snr_gamma!r}")
         if not 0.0 <= mask_ratio_min <= 1.0:
             raise ValueError(f"mask_ratio_min must lie in [0, 1], got {mask_ratio_min}")
         if cond not in ("prompt", "class"):
@@ -55,6 +58,7 @@ class ShapesMAR(nn.Module):
         self.cond, self.buffer_size, self.label_drop_prob = cond, buffer_size, label_drop_prob
         self.diffusion_batch_mul = diffusion_batch_mul
         self.mask_ratio_min, self.mask_ratio_dist = mask_ratio_min, mask_ratio_dist
+        self.min_snr_gamma = min_snr_gamma
         self.mask_ratio_generator = stats.truncnorm((mask_ratio_min - 1.0) / 0.25, 0, loc=1.0, scale=0.25)
         if cond == "prompt":
             from specgen.world.prompts import WORDS
@@ -243,7 +247,14 @@ class ShapesMAR(nn.Module):
         return (loss * w).sum() / w.sum()
 
     def diffusion_loss(self, x0: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Per-token epsilon MSE, plus the variational bound on the learned variance (mean detached)."""
+        """Per-token epsilon MSE, plus the variational bound on the learned variance (mean detached).
+
+        With `min_snr_gamma` the MSE of timestep t is weighted by min(SNR_t, gamma) / SNR_t (Min-SNR,
+        Hang et al. 2023). An epsilon error is sqrt(SNR_t) times the x0 error it implies, so MAR's unweighted
+        loss is SNR_t times an x0 loss: the nearly clean timesteps (SNR in the thousands at t < 10, where
+        epsilon is all but unpredictable) dominate its gradient, and the noisy timesteps where layout, shape
+        and colour are decided hardly count. The weighting caps that at gamma times the x0 loss. Sampling and
+        the Gaussian transitions CSpD scores are unchanged: only what training emphasises moves."""
         diff = self.diffusion
         t = torch.randint(0, diff.train_steps, (x0.shape[0],), device=x0.device)
         noise = torch.randn_like(x0)
@@ -251,9 +262,17 @@ class ShapesMAR(nn.Module):
         out = self.denoise(x_t, t, z)
         d = x0.shape[-1]
         loss = (out[:, :d] - noise).pow(2).mean(-1)
+        if self.min_snr_gamma is not None:
+            loss = loss * self.min_snr_weight(t)
         if out.shape[-1] == 2 * d:
             loss = loss + diff.vlb_term(out[:, :d].detach(), out[:, d:], x0, x_t, t)
         return loss
+
+    def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """min(SNR_t, gamma) / SNR_t per timestep (float32, on t's device); SNR_t = a_t / (1 - a_t)."""
+        ac = self.diffusion.alphas_cumprod.to(t.device)[t]
+        snr = ac / (1 - ac)
+        return (snr.clamp(max=self.min_snr_gamma) / snr).float()
 
 
 def load_mar_release(path: str, num_heads: int | None = None, sample_steps: int = 100, key: str = "model_ema",

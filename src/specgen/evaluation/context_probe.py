@@ -10,7 +10,9 @@ are known; equal rows mean the context is ignored. For scale, `neighbours` is a 
 no model: the mean of a masked token's known 4-neighbours (the background latent when it has none).
 
     python -m specgen.evaluation.context_probe --backbone checkpoints/mar_p2_shapes \
-        --out logs/context_probe/mar_p2.json
+        --out logs/context_probe/mar_p2.json [--losses]
+
+`--losses` adds the training loss by timestep with every token masked (`timestep_losses`).
 """
 from __future__ import annotations
 
@@ -61,6 +63,39 @@ def probe(backbone, tokenizer, num_images: int = 64, known: tuple[float, ...] = 
     return out
 
 
+@torch.no_grad()
+def timestep_losses(backbone, tokenizer, num_images: int = 64,
+                    timesteps: tuple[int, ...] = (0, 50, 150, 300, 500, 700, 850, 950), seed: int = 0) -> dict[str, float]:
+    """The training loss by timestep, every token masked: epsilon MSE (what MAR's loss averages over uniform t)
+    and the x0 MSE it implies (epsilon MSE / SNR_t), for the prompt and the null condition. Shows which
+    timesteps dominate the unweighted loss (the clean ones) and how little the noisy ones count."""
+    from specgen.world.prompts import sample_example
+    from specgen.world.render import render
+
+    rng = random.Random(seed)
+    examples = [sample_example(rng, "val") for _ in range(num_images)]
+    images = torch.tensor(np.stack([render(s) for _, s in examples])).permute(0, 3, 1, 2).float() / 255
+    x0 = backbone.patchify(tokenizer.encode(images))
+    B, L, d = x0.shape
+    x = x0.reshape(B * L, d)
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(len(timesteps), B * L, d, generator=g)
+    conds = {"prompt": backbone.condition([m["prompt"] for m, _ in examples]), "null": backbone.null_condition(B)}
+    out = {}
+    for cond_name, cond in conds.items():
+        z = backbone.conditions(x0, torch.ones(B, L), cond, 0).reshape(B * L, -1)
+        for j, t in enumerate(timesteps):
+            a = backbone.diffusion.alphas_cumprod[t]
+            snr = float(a / (1 - a))
+            tt = torch.full((B * L,), t)
+            eps = backbone.denoise(backbone.diffusion.q_sample(x, tt, noise[j]), tt, z)[:, :d]
+            mse = float(((eps - noise[j]) ** 2).mean())
+            out[f"snr/t{t}"] = snr
+            out[f"{cond_name}/t{t}/eps_mse"] = mse
+            out[f"{cond_name}/t{t}/x0_mse"] = mse / snr
+    return out
+
+
 def neighbour_mean(x0: torch.Tensor, mask: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
     """(B, L, d): per token, the mean of its known 4-neighbours on the token grid, else the background."""
     B, L, d = x0.shape
@@ -82,6 +117,7 @@ def main(argv=None):
     p.add_argument("--tokenizer", default="checkpoints/kl_shapes")
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--out", required=True, help="JSON file for the results")
+    p.add_argument("--losses", action="store_true", help="also the loss by timestep (epsilon and x0 MSE)")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     backbone = load_exported(args.backbone).eval()
@@ -97,6 +133,17 @@ def main(argv=None):
         print(f"{cond:<11}{known[5:]:>6}" + "".join(f"{res[f'{key}/{s}']:>9.3f}" for s in steps))
     for key in sorted(k for k in res if k.startswith("neighbours/")):
         print(f"{'neighbours':<11}{key.split('/')[1][5:]:>6}{res[key]:>9.3f}  (no model, any t)")
+    if args.losses:
+        losses = timestep_losses(backbone, load_exported(args.tokenizer).eval(), args.images)
+        res["losses"] = losses
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        ts = sorted({k.split("/")[1] for k in losses if k.startswith("snr/")}, key=lambda s: int(s[1:]))
+        print("\nloss by timestep, every token masked (x0 MSE = epsilon MSE / SNR)")
+        print(f"{'':<18}" + "".join(f"{t:>9}" for t in ts))
+        print(f"{'SNR':<18}" + "".join(f"{losses[f'snr/{t}']:>9.3g}" for t in ts))
+        for cond in ("prompt", "null"):
+            for kind in ("eps_mse", "x0_mse"):
+                print(f"{cond + ' ' + kind:<18}" + "".join(f"{losses[f'{cond}/{t}/{kind}']:>9.4f}" for t in ts))
 
 if __name__ == "__main__":
     main()
