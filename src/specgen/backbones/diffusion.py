@@ -140,6 +140,11 @@ class GaussianDiffusion:
                     + (mean_q - mean_p).pow(2) * (-log_var_p).exp())
         return (kl.mean(-1) / math.log(2.0)).float()
 
+    def snr(self, t: torch.Tensor) -> torch.Tensor:
+        """Signal-to-noise ratio a_t / (1 - a_t) of training timesteps t (float64, on t's device)."""
+        ac = self.alphas_cumprod.to(t.device)[t]
+        return ac / (1 - ac)
+
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         ac = self.alphas_cumprod.to(x0.device, torch.float32)[t][:, None]
         return ac.sqrt() * x0 + (1 - ac).sqrt() * noise

@@ -270,8 +270,7 @@ class ShapesMAR(nn.Module):
 
     def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
         """min(SNR_t, gamma) / SNR_t per timestep (float32, on t's device); SNR_t = a_t / (1 - a_t)."""
-        ac = self.diffusion.alphas_cumprod.to(t.device)[t]
-        snr = ac / (1 - ac)
+        snr = self.diffusion.snr(t)
         return (snr.clamp(max=self.min_snr_gamma) / snr).float()
 
 

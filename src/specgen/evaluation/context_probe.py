@@ -25,16 +25,23 @@ import numpy as np
 import torch
 
 
-@torch.no_grad()
-def probe(backbone, tokenizer, num_images: int = 64, known: tuple[float, ...] = (0.0, 0.5, 0.9),
-          timesteps: tuple[int, ...] = (500, 750, 900, 975), seed: int = 0) -> dict[str, float]:
+def scenes(backbone, tokenizer, num_images: int, seed: int):
+    """Validation scenes of the shapes world: their model tokens (B, L, d), the prompt and null conditions."""
     from specgen.world.prompts import sample_example
     from specgen.world.render import render
 
     rng = random.Random(seed)
     examples = [sample_example(rng, "val") for _ in range(num_images)]
     images = torch.tensor(np.stack([render(s) for _, s in examples])).permute(0, 3, 1, 2).float() / 255
-    x0 = backbone.patchify(tokenizer.encode(images))
+    conds = {"prompt": backbone.condition([m["prompt"] for m, _ in examples]),
+             "null": backbone.null_condition(num_images)}
+    return backbone.patchify(tokenizer.encode(images)), conds
+
+
+@torch.no_grad()
+def probe(backbone, tokenizer, num_images: int = 64, known: tuple[float, ...] = (0.0, 0.5, 0.9),
+          timesteps: tuple[int, ...] = (500, 750, 900, 975), seed: int = 0) -> dict[str, float]:
+    x0, conds = scenes(backbone, tokenizer, num_images, seed)
     B, L, d = x0.shape
     background = x0.median(dim=1, keepdim=True).values
     foreground = (x0 - background).norm(dim=-1) > 0.3 * d ** 0.5
@@ -43,7 +50,6 @@ def probe(backbone, tokenizer, num_images: int = 64, known: tuple[float, ...] = 
     order = torch.argsort(torch.rand(B, L, generator=g), dim=1)
     noise = torch.randn(B * L, d, generator=g)
     out = {"foreground_share": float(foreground.float().mean())}
-    conds = {"prompt": backbone.condition([m["prompt"] for m, _ in examples]), "null": backbone.null_condition(B)}
     for share in known:
         n = int(L * share)
         mask = torch.ones(B, L).scatter(1, order[:, :n], 0.0)  # the first n of each order are known
@@ -69,24 +75,16 @@ def timestep_losses(backbone, tokenizer, num_images: int = 64,
     """The training loss by timestep, every token masked: epsilon MSE (what MAR's loss averages over uniform t)
     and the x0 MSE it implies (epsilon MSE / SNR_t), for the prompt and the null condition. Shows which
     timesteps dominate the unweighted loss (the clean ones) and how little the noisy ones count."""
-    from specgen.world.prompts import sample_example
-    from specgen.world.render import render
-
-    rng = random.Random(seed)
-    examples = [sample_example(rng, "val") for _ in range(num_images)]
-    images = torch.tensor(np.stack([render(s) for _, s in examples])).permute(0, 3, 1, 2).float() / 255
-    x0 = backbone.patchify(tokenizer.encode(images))
+    x0, conds = scenes(backbone, tokenizer, num_images, seed)
     B, L, d = x0.shape
     x = x0.reshape(B * L, d)
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(len(timesteps), B * L, d, generator=g)
-    conds = {"prompt": backbone.condition([m["prompt"] for m, _ in examples]), "null": backbone.null_condition(B)}
     out = {}
     for cond_name, cond in conds.items():
         z = backbone.conditions(x0, torch.ones(B, L), cond, 0).reshape(B * L, -1)
         for j, t in enumerate(timesteps):
-            a = backbone.diffusion.alphas_cumprod[t]
-            snr = float(a / (1 - a))
+            snr = float(backbone.diffusion.snr(torch.tensor([t]))[0])
             tt = torch.full((B * L,), t)
             eps = backbone.denoise(backbone.diffusion.q_sample(x, tt, noise[j]), tt, z)[:, :d]
             mse = float(((eps - noise[j]) ** 2).mean())
@@ -110,7 +108,7 @@ def neighbour_mean(x0: torch.Tensor, mask: torch.Tensor, background: torch.Tenso
 
 
 def main(argv=None):
-    from specgen.utils.checkpoints import load_exported
+    from specgen.utils.checkpoints import atomic_write_text, load_exported
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backbone", required=True, help="exported MAR-style backbone folder")
@@ -121,10 +119,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.manual_seed(0)
     backbone = load_exported(args.backbone).eval()
-    res = probe(backbone, load_exported(args.tokenizer).eval(), args.images)
+    tokenizer = load_exported(args.tokenizer).eval()
+    res = probe(backbone, tokenizer, args.images)
+    if args.losses:
+        res["losses"] = timestep_losses(backbone, tokenizer, args.images)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    model_keys = [k for k in res if k.count("/") == 2]
+    atomic_write_text(args.out, json.dumps(res, indent=1))
+    model_keys = [k for k in res if k != "losses" and k.count("/") == 2]
     steps = sorted({k.rsplit("/", 1)[1] for k in model_keys}, key=lambda s: int(s[1:]))
     print(f"explained share of masked foreground latent variance ({res['foreground_share']:.2f} of tokens foreground)")
     print(f"{'condition':<11}{'known':>6}" + "".join(f"{s:>9}" for s in steps))
@@ -134,9 +135,7 @@ def main(argv=None):
     for key in sorted(k for k in res if k.startswith("neighbours/")):
         print(f"{'neighbours':<11}{key.split('/')[1][5:]:>6}{res[key]:>9.3f}  (no model, any t)")
     if args.losses:
-        losses = timestep_losses(backbone, load_exported(args.tokenizer).eval(), args.images)
-        res["losses"] = losses
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        losses = res["losses"]
         ts = sorted({k.split("/")[1] for k in losses if k.startswith("snr/")}, key=lambda s: int(s[1:]))
         print("\nloss by timestep, every token masked (x0 MSE = epsilon MSE / SNR)")
         print(f"{'':<18}" + "".join(f"{t:>9}" for t in ts))
