@@ -80,15 +80,14 @@ def timestep_losses(backbone, tokenizer, num_images: int = 64,
     x = x0.reshape(B * L, d)
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(len(timesteps), B * L, d, generator=g)
-    out = {}
+    snrs = backbone.diffusion.snr(torch.tensor(timesteps)).tolist()
+    out = {f"snr/t{t}": snr for t, snr in zip(timesteps, snrs)}
     for cond_name, cond in conds.items():
         z = backbone.conditions(x0, torch.ones(B, L), cond, 0).reshape(B * L, -1)
-        for j, t in enumerate(timesteps):
-            snr = float(backbone.diffusion.snr(torch.tensor([t]))[0])
+        for j, (t, snr) in enumerate(zip(timesteps, snrs)):
             tt = torch.full((B * L,), t)
             eps = backbone.denoise(backbone.diffusion.q_sample(x, tt, noise[j]), tt, z)[:, :d]
             mse = float(((eps - noise[j]) ** 2).mean())
-            out[f"snr/t{t}"] = snr
             out[f"{cond_name}/t{t}/eps_mse"] = mse
             out[f"{cond_name}/t{t}/x0_mse"] = mse / snr
     return out
