@@ -55,6 +55,16 @@ def test_every_config_group_option_composes(tmp_path):
         compose_cfg("train", [f"trainer={trainer}"], tmp_path)
 
 
+@pytest.mark.parametrize("pair,target,draft", [("shapes", "mar_shapes", "mar_shapes_draft"),
+                                                ("shapes_p2", "mar_p2_shapes", "mar_p2_shapes_draft")])
+def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, draft, tmp_path):
+    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=continuous_speed", f"mar_pair={pair}"], tmp_path),
+                                 resolve=True)
+    assert Path(cfg["generator"]["backbone_dir"]).name == target
+    drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_exact"} and set(drafts.values()) == {draft}
+
+
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
                                        ("clip_shapes", ["data.batch_size=4"]), ("kl_shapes", []), ("mar_shapes_train", []),
                                        ("mar_draft_train", []), ("mar_shapes_cpu_train", []),
