@@ -212,3 +212,52 @@ def test_mar_release_layout_loads_by_name(tmp_path):
     assert torch.allclose(loaded.conditions(tokens, mask, cond), src.conditions(tokens, mask, src.condition(torch.tensor([3, 7]))))
     with pytest.raises(KeyError, match="no 'ema' entry"):
         load_mar_release(str(tmp_path / "checkpoint-last.pth"), key="ema")
+
+
+def test_transition_kl_matches_torch_distributions():
+    from specgen.modules.mar_module import transition_kl
+
+    diff = GaussianDiffusion(variance="learned_range")
+    g = torch.Generator().manual_seed(3)
+    x_t, step = torch.randn(6, 4, generator=g), torch.tensor([1, 2, 10, 50, 98, 99])
+    out_q, out_p = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    out_q[:, 4:], out_p[:, 4:] = out_q[:, 4:].tanh(), out_p[:, 4:].tanh()  # v in [-1, 1]
+    (mq, vq), (mp, vp) = diff.step_mean_var(out_q, x_t, step), diff.step_mean_var(out_p, x_t, step)
+    ref = torch.distributions.kl_divergence(torch.distributions.Normal(mq, vq.sqrt()),
+                                            torch.distributions.Normal(mp, vp.sqrt())).sum(-1).mean()
+    assert torch.allclose(transition_kl(diff, out_q, out_p, x_t, step), ref, rtol=1e-4)
+    assert float(transition_kl(diff, out_p, out_p, x_t, step)) == 0.0
+
+
+def test_mar_draft_module_transition_kl(tmp_path):
+    """kl_weight > 0: a draft equal to the target loses nothing; another draft loses more, with gradients."""
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.modules.mar_module import MARDraftModule
+    from specgen.utils.checkpoints import export, load_exported
+
+    cfg = {"_target_": "specgen.backbones.mar.ShapesMAR", "grid_size": 4, "token_dim": 3, "preset": "tiny",
+           "sample_steps": 10, "variance": "learned_range"}
+    torch.manual_seed(0)
+    export(tmp_path / "target", ShapesMAR(**{k: v for k, v in cfg.items() if k != "_target_"}), cfg)
+    batch = {"latents": torch.randn(4, 16, 3), "prompt": ["a red circle", "two squares", "a blue cross",
+                                                           "a green triangle"]}
+    same = MARDraftModule(load_exported(tmp_path / "target"), str(tmp_path / "target"), data_weight=0.0,
+                          kl_weight=1.0)
+    same.net.train(False)  # no dropout: the draft computes exactly what the target does
+    assert float(same.training_step(batch, 0).detach()) == pytest.approx(0.0, abs=1e-8)
+    draft = load_exported(tmp_path / "target")
+    with torch.no_grad():  # (a fresh model's denoiser outputs zeros: perturb every weight)
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    other = MARDraftModule(draft, str(tmp_path / "target"), data_weight=0.0, kl_weight=1.0)
+    other.net.train(False)
+    torch.manual_seed(1)
+    with_kl = other.training_step(batch, 0)
+    other.hparams.kl_weight = 0.0
+    torch.manual_seed(1)
+    without = other.training_step(batch, 0)
+    assert float(with_kl.detach()) > float(without.detach()) > 0
+    with_kl.backward()
+    assert other.net.z_proj.weight.grad is not None and other.net.z_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="module.kl_weight"):
+        MARDraftModule(load_exported(tmp_path / "target"), str(tmp_path / "target"), kl_weight=-1.0)

@@ -86,15 +86,40 @@ class MARModule(_Base):
             self.log("val/loss" + suffix, loss, prog_bar=True, batch_size=len(batch["prompt"]))
 
 
+def transition_kl(diffusion, out_q: torch.Tensor, out_p: torch.Tensor, x_t: torch.Tensor,
+                  step: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(q || p) between the Gaussian transitions p(x_{i-1} | x_i) that two denoiser
+    outputs give at the same state x_t and sampling step index `step` (N,) (>= 1: step 0 has no variance),
+    summed over the token's dimensions."""
+    mean_q, var_q = diffusion.step_mean_var(out_q, x_t, step)
+    mean_p, var_p = diffusion.step_mean_var(out_p, x_t, step)
+    kl = 0.5 * (var_p.log() - var_q.log() + (var_q + (mean_q - mean_p).pow(2)) / var_p - 1)
+    return kl.sum(-1).mean()
+
+
 class MARDraftModule(_Base):
     """Distils a small ShapesMAR draft from a frozen target: on the same masked context and the same
     (x_t, t), the draft's denoiser output regresses onto the target's (epsilon and variance), plus
-    `data_weight` x the draft's own diffusion loss on the data."""
+    `data_weight` x the draft's own diffusion loss on the data.
+
+    `kl_weight` > 0 adds what CSpD's exact density ratio loses. A drafted token's log ratio is the sum over
+    the sampler's steps of log p_i(x_{i-1} | x_i) - log q_i(x_{i-1} | x_i) at the draft's own states, whose
+    expectation under the draft is minus the sum of KL(q_i || p_i), the per-step KL of the two Gaussian
+    transitions (dimensions summed). With `kl_weight` > 0 the timesteps are then drawn from the sampler's
+    own (uniform over its steps with non-zero variance, instead of uniform over all training timesteps)
+    and `kl_weight` x the mean of that KL is added; the states are the data noised to t, not draft
+    trajectories, an approximation. Uniform t weights each transition by how rarely the sampler visits
+    it, and the epsilon MSE weights each by a constant, while the KL weights the last steps (small
+    variance: the standardised gap grows as 1 / sigma) by what they cost in acceptance."""
 
     def __init__(self, net: ShapesMAR, target_dir: str, lr: float = 1e-3, weight_decay: float = 0.0,
-                 warmup_steps: int = 200, data_weight: float = 0.5, ema_decay: float | None = None):
+                 warmup_steps: int = 200, data_weight: float = 0.5, ema_decay: float | None = None,
+                 kl_weight: float = 0.0):
         super().__init__()
         from specgen.utils.checkpoints import load_exported
+
+        if not kl_weight >= 0:
+            raise ValueError(f"module.kl_weight must be >= 0, got {kl_weight!r} (0 turns the transition KL off)")
 
         self.save_hyperparameters(ignore=["net"])
         self.net = net
@@ -121,7 +146,11 @@ class MARDraftModule(_Base):
         sel = mask.reshape(-1) > 0.5
         diff = self.net.diffusion
         x = x0.reshape(-1, d)[sel]
-        t = torch.randint(0, diff.train_steps, (x.shape[0],), device=x.device)
+        if self.hparams.kl_weight > 0:  # the sampler's timesteps, those with a non-degenerate transition
+            step = torch.randint(1, diff.sample_steps, (x.shape[0],), device=x.device)
+            t = diff.timesteps.to(x.device)[step]
+        else:
+            t = torch.randint(0, diff.train_steps, (x.shape[0],), device=x.device)
         x_t = diff.q_sample(x, t, torch.randn_like(x))
         out_d = self.net.denoise(x_t, t, z_d.reshape(B * Lq, -1)[sel])
         with torch.no_grad():
@@ -129,8 +158,12 @@ class MARDraftModule(_Base):
         distill = F.mse_loss(out_d, out_t)
         data = self.net(latents, self.net.condition(prompts)) if self.hparams.data_weight > 0 else torch.zeros(())
         loss = distill + self.hparams.data_weight * data
-        self.log_dict({"train/loss": loss, "train/loss_distill": distill, "train/loss_data": data}, prog_bar=True,
-                      batch_size=B)
+        logs = {"train/loss_distill": distill, "train/loss_data": data}
+        if self.hparams.kl_weight > 0:
+            kl = transition_kl(diff, out_d.float(), out_t.float(), x_t.float(), step)
+            loss = loss + self.hparams.kl_weight * kl
+            logs["train/loss_kl"] = kl
+        self.log_dict({"train/loss": loss, **logs}, prog_bar=True, batch_size=B)
         return loss
 
     def validation_step(self, batch, batch_idx):
