@@ -1,6 +1,7 @@
 """The DDPM reverse process, driven by the analytic optimal denoiser of 1-D Gaussian data, samples that data."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -101,7 +102,6 @@ def test_mar_patches_of_the_latent_grid():
 def test_mar_mask_ratio_distributions():
     """MAR's truncated normal stays in [min, 1]; the cosine option reaches the well-known contexts
     (mean 2/pi for minimum 0) and always masks at least one token; bad options are named."""
-    import numpy as np
 
     from specgen.backbones.mar import ShapesMAR
 
@@ -251,13 +251,13 @@ def test_mar_draft_module_transition_kl(tmp_path):
             p.add_(0.05 * torch.randn_like(p))
     other = MARDraftModule(draft, str(tmp_path / "target"), data_weight=0.0, kl_weight=1.0)
     other.net.train(False)
-    torch.manual_seed(1)
+    torch.manual_seed(1), np.random.seed(1)  # the same timesteps, noise and masks (numpy draws the mask ratio)
     with_kl = other.training_step(batch, 0)
     other.hparams.kl_weight = 0.0
-    torch.manual_seed(1)
+    torch.manual_seed(1), np.random.seed(1)
     without = other.training_step(batch, 0)
     assert float(with_kl.detach()) > float(without.detach()) > 0
     with_kl.backward()
-    assert other.net.z_proj.weight.grad is not None and other.net.z_proj.weight.grad.abs().sum() > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in other.net.parameters())
     with pytest.raises(ValueError, match="module.kl_weight"):
         MARDraftModule(load_exported(tmp_path / "target"), str(tmp_path / "target"), kl_weight=-1.0)
