@@ -102,7 +102,6 @@ def test_mar_patches_of_the_latent_grid():
 def test_mar_mask_ratio_distributions():
     """MAR's truncated normal stays in [min, 1]; the cosine option reaches the well-known contexts
     (mean 2/pi for minimum 0) and always masks at least one token; bad options are named."""
-
     from specgen.backbones.mar import ShapesMAR
 
     np.random.seed(0)
