@@ -261,3 +261,19 @@ def test_init_from_starts_the_network_from_an_export(tmp_path, tiny_exports):
         torch.testing.assert_close(a.half().float(), b, msg=k)
     with pytest.raises(FileNotFoundError, match="init_from=.*no model.safetensors"):
         train(compose_cfg("train", base + [f"init_from={tmp_path / 'nowhere'}"], tmp_path / "b"))
+
+
+def test_training_precision_follows_the_hardware(tmp_path):
+    """bf16 autocast only where bf16 matmuls are native (emulated ones are ~10x slower than fp32)."""
+    from specgen.utils.hydra import autocast_precision
+
+    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
+    avx2.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    amx.write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert autocast_precision("cpu", str(avx2)) == "32-true"
+    assert autocast_precision("cpu", str(amx)) == "bf16-mixed"
+    assert autocast_precision("gpu", str(avx2)) == "bf16-mixed"
+    assert autocast_precision("cpu", str(tmp_path / "missing")) == "32-true"
+    cfg = compose_cfg("train", ["experiment=mar_shapes_cpu_train"], tmp_path)
+    assert cfg.trainer.precision == autocast_precision(cfg.trainer.accelerator)
+    assert compose_cfg("train", ["experiment=ar_shapes_train", "trainer=gpu"], tmp_path).trainer.precision == "bf16-mixed"

@@ -16,9 +16,30 @@ def repo_root() -> str:
     return str(Path(__file__).resolve().parents[3])
 
 
+def autocast_precision(accelerator: str = "cpu", cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Lightning precision for training: 'bf16-mixed' on GPUs and on CPUs with native bf16 matrix units
+    (AVX512-BF16 or AMX; about 1.4x faster steps than fp32 there), '32-true' on other CPUs, where bf16
+    matmuls are emulated and about 10x slower than fp32 (measured on an AVX2-only AMD EPYC).
+    Configs use it as `${specgen_autocast_precision:${trainer.accelerator}}`."""
+    if accelerator in ("gpu", "cuda", "mps"):
+        return "bf16-mixed"
+    if accelerator == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return "bf16-mixed"
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:  # not Linux: no way to tell, take the safe choice
+        return "32-true"
+    return "bf16-mixed" if flags & {"avx512_bf16", "amx_bf16"} else "32-true"
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("specgen_root"):
         OmegaConf.register_new_resolver("specgen_root", repo_root)
+    if not OmegaConf.has_resolver("specgen_autocast_precision"):
+        OmegaConf.register_new_resolver("specgen_autocast_precision", autocast_precision)
 
 
 def close_wandb() -> None:
