@@ -84,6 +84,13 @@ class DenoiserMLP(nn.Module):
         return self.final_layer(h, y)
 
 
+def gaussian_kl(mean_q: torch.Tensor, log_var_q: torch.Tensor, mean_p: torch.Tensor,
+                log_var_p: torch.Tensor) -> torch.Tensor:
+    """Elementwise KL(N(mean_q, exp(log_var_q)) || N(mean_p, exp(log_var_p))); exactly 0 for equal arguments."""
+    d = log_var_q - log_var_p
+    return 0.5 * (torch.expm1(d) - d + (mean_q - mean_p).pow(2) * (-log_var_p).exp())
+
+
 class GaussianDiffusion:
     """DDPM schedule with respacing; all tensors are float64 on CPU, cast at use."""
 
@@ -136,8 +143,7 @@ class GaussianDiffusion:
         frac = (v.double() + 1) / 2
         log_var_p = frac * beta.log() + (1 - frac) * post_var_clipped.log()
         log_var_q = post_var_clipped.log()
-        kl = 0.5 * (-1.0 + log_var_p - log_var_q + (log_var_q - log_var_p).exp()
-                    + (mean_q - mean_p).pow(2) * (-log_var_p).exp())
+        kl = gaussian_kl(mean_q, log_var_q, mean_p, log_var_p)
         return (kl.mean(-1) / math.log(2.0)).float()
 
     def snr(self, t: torch.Tensor) -> torch.Tensor:

@@ -91,10 +91,11 @@ def transition_kl(diffusion, out_q: torch.Tensor, out_p: torch.Tensor, x_t: torc
     """Mean over rows of KL(q || p) between the Gaussian transitions p(x_{i-1} | x_i) that two denoiser
     outputs give at the same state x_t and sampling step index `step` (N,) (>= 1: step 0 has no variance),
     summed over the token's dimensions."""
+    from specgen.backbones.diffusion import gaussian_kl
+
     mean_q, var_q = diffusion.step_mean_var(out_q, x_t, step)
     mean_p, var_p = diffusion.step_mean_var(out_p, x_t, step)
-    kl = 0.5 * (var_p.log() - var_q.log() + (var_q + (mean_q - mean_p).pow(2)) / var_p - 1)
-    return kl.sum(-1).mean()
+    return gaussian_kl(mean_q, var_q.log(), mean_p, var_p.log()).sum(-1).mean()
 
 
 class MARDraftModule(_Base):
