@@ -62,7 +62,15 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
-    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_exact"} and set(drafts.values()) == {draft}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_exact", "cspd_lossless"} and set(drafts.values()) == {draft}
+    lossless = cfg["strategies"]["cspd_lossless"]["fn"]
+    assert (lossless["ratio"], lossless["acceptance"], lossless["verify"]) == ("exact", "prefix", "stepwise")
+
+
+def test_default_mar_pair_is_the_cpu_sized_one(tmp_path):
+    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=continuous_speed"], tmp_path), resolve=True)
+    assert Path(cfg["generator"]["backbone_dir"]).name == "mar_p2_shapes"
+    assert Path(cfg["strategies"]["cspd"]["fn"]["draft"]["dirpath"]).name == "mar_p2_shapes_draft"
 
 
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),

@@ -198,7 +198,7 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_exact")
+    cspds = ("cspd", "cspd_noalign", "cspd_exact", "cspd_lossless")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.fidelity.num_prompts=4",
@@ -210,7 +210,8 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     m = run_eval(cfg)
     for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_exact/accept_rate", "cspd/speed/wall_ratio",
                 "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
-                "cspd/geneval/overall_ci95", "cspd_exact/fidelity/fid", "target/fidelity/fid"):
+                "cspd/geneval/overall_ci95", "cspd_exact/fidelity/fid", "target/fidelity/fid",
+                "cspd_lossless/accept_rate", "cspd_lossless/geneval/overall"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0
 

@@ -16,7 +16,7 @@ the transformer passes (one condition set per MAR step), the heads' chains run s
 and evaluated in one batched call (CSpD's exact verification), for target and draft; from these, the
 time of target-only sampling and the floor of CSpD's time when every draft is accepted.
 
-    python -m specgen.evaluation.cspd_trace --out logs/cspd_trace [--backbone checkpoints/mar_shapes ...]
+    python -m specgen.evaluation.cspd_trace --out logs/cspd_trace [--backbone checkpoints/mar_p2_shapes ...]
 """
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def costs(target, draft, batch: int, num_iter: int = 16, cfg_scale: float = 3.0)
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backbone", default="checkpoints/mar_shapes")
-    ap.add_argument("--draft", default="checkpoints/mar_shapes_draft")
+    ap.add_argument("--backbone", default="checkpoints/mar_p2_shapes")
+    ap.add_argument("--draft", default="checkpoints/mar_p2_shapes_draft")
     ap.add_argument("--prompts", type=int, default=16, help="test prompts (GenEval tasks in turn)")
     ap.add_argument("--cfg-scale", type=float, default=3.0)
     ap.add_argument("--prefill-ratio", type=float, default=0.05)
