@@ -214,6 +214,8 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                 "cspd_lossless/accept_rate", "cspd_lossless/geneval/overall"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0
+    # the tiny draft is the target itself: the exact ratio is 1 on every trajectory, so nothing is rejected
+    assert m["cspd_exact/accept_rate"] == 1.0 and m["cspd_lossless/accept_rate"] == 1.0
 
 
 def test_cspd_ablation_shares_the_swept_setting(tmp_path):

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from specgen.backbones.diffusion import gaussian_kl
 from specgen.backbones.mar import ShapesMAR
 from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float
@@ -91,8 +92,6 @@ def transition_kl(diffusion, out_q: torch.Tensor, out_p: torch.Tensor, x_t: torc
     """Mean over rows of KL(q || p) between the Gaussian transitions p(x_{i-1} | x_i) that two denoiser
     outputs give at the same state x_t and sampling step index `step` (N,) (>= 1: step 0 has no variance),
     summed over the token's dimensions."""
-    from specgen.backbones.diffusion import gaussian_kl
-
     mean_q, var_q = diffusion.step_mean_var(out_q, x_t, step)
     mean_p, var_p = diffusion.step_mean_var(out_p, x_t, step)
     return gaussian_kl(mean_q, var_q.log(), mean_p, var_p.log()).sum(-1).mean()
