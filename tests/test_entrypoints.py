@@ -256,6 +256,34 @@ def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_export
     assert list(a["prompts"][:2]) == [example(i, "train", cfg.seed, 64, 0.0)[0]["prompt"] for i in range(2)]
 
 
+def test_shards_past_the_first_and_a_task_mixture(tmp_path, tiny_exports):
+    """first_train_shard skips the shards a backbone has seen; a task mixture gets its own training cache
+    (validation keeps the default mixture's) and its examples follow the weights."""
+    import numpy as np
+
+    from specgen.modules.data import example
+    from specgen.train import train
+
+    over = _tiny_train("ar_shapes_train", tiny_exports) + [
+        "prepare_only=true", "data.first_train_shard=2", "data.mix={colors: 1.0}"]
+    cfg = compose_cfg("train", over, tmp_path)
+    assert train(cfg) == {}
+    shards = sorted((tmp_path / "data" / "shapes_tokens").rglob("*.npz"))
+    assert sorted(p.name for p in shards) == ["train_00002.npz", "val_00000.npz"]
+    train_file = next(p for p in shards if p.name.startswith("train"))
+    val_file = next(p for p in shards if p.name.startswith("val"))
+    assert train_file.parent != val_file.parent
+    prompts = list(np.load(train_file)["prompts"])
+    assert prompts == [example(32 + i, "train", cfg.seed, 64, 0.0, {"colors": 1.0})[0]["prompt"] for i in range(16)]
+    assert all(example(32 + i, "train", cfg.seed, 64, 0.0, {"colors": 1.0})[0]["tag"] == "colors" for i in range(16))
+    val = list(np.load(val_file)["prompts"])
+    assert val == [example(i, "val", cfg.seed, 64, 0.0)[0]["prompt"] for i in range(16)]
+    from hydra.errors import InstantiationException
+
+    with pytest.raises((ValueError, InstantiationException), match="unknown task 'colour'"):
+        train(compose_cfg("train", over[:-1] + ["data.mix={colour: 1.0}"], tmp_path))
+
+
 def test_init_from_starts_the_network_from_an_export(tmp_path, tiny_exports):
     from specgen.train import train
     from specgen.utils.checkpoints import load_exported

@@ -17,10 +17,13 @@ SEED_STRIDE = 10_000_019
 SPLIT_OFFSET = {"train": 0, "val": 1_000_003, "test": 2_000_003}
 
 
-def example(index: int, split: str, seed: int, image_size: int, textured_frac: float) -> tuple[dict, np.ndarray, dict]:
-    """(prompt metadata, uint8 image (S, S, 3), scene dict) of one deterministic example."""
+def example(index: int, split: str, seed: int, image_size: int, textured_frac: float,
+            mix: dict[str, float] | None = None) -> tuple[dict, np.ndarray, dict]:
+    """(prompt metadata, uint8 image (S, S, 3), scene dict) of one deterministic example.
+
+    `mix` weights the tasks (default `specgen.world.prompts.DEFAULT_MIX`)."""
     rng = random.Random(seed * SEED_STRIDE + SPLIT_OFFSET[split] + index)
-    meta, scene = sample_example(rng, split, image_size)
+    meta, scene = sample_example(rng, split, image_size, mix)
     texture = "textured" if rng.random() < textured_frac else "plain"
     return meta, render(scene, image_size, texture, seed=rng.randrange(2 ** 31)), scene.to_dict()
 

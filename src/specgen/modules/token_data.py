@@ -3,8 +3,10 @@
 
 Encoding images with the VQ tokenizer is the expensive part, so it runs once: shard k holds
 examples [k * shard_size, (k + 1) * shard_size) of the deterministic example stream, and its file
-is keyed by a hash of everything that determines it (tokenizer weights, resolution, seed, ...).
-An interrupted preparation resumes at the first missing shard.
+is keyed by a hash of everything that determines it (tokenizer weights, resolution, seed, task
+mixture, ...). An interrupted preparation resumes at the first missing shard. Training reads shards
+[first_train_shard, first_train_shard + train_shards): a continuation of a trained backbone can start
+past the shards it has seen, on examples it has never met.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from tqdm.auto import tqdm
 from specgen.modules.data import example
 from specgen.utils.checkpoints import atomic_savez, load_exported, missing_shards
 from specgen.utils.validate import expect_float, expect_int
+from specgen.world.prompts import ALL_TAGS
 
 
 def _file_sha(path: Path) -> str:
@@ -51,14 +54,16 @@ class TokenShards(Dataset):
 class _Examples(Dataset):
     """The deterministic example stream at given indices, rendered in DataLoader workers."""
 
-    def __init__(self, indices: range, split: str, seed: int, image_size: int, textured_frac: float):
+    def __init__(self, indices: range, split: str, seed: int, image_size: int, textured_frac: float,
+                 mix: dict[str, float] | None = None):
         self.indices, self.split, self.seed, self.size, self.textured = indices, split, seed, image_size, textured_frac
+        self.mix = mix
 
     def __len__(self):
         return len(self.indices)
 
     def __getitem__(self, i):
-        meta, img, _ = example(self.indices[i], self.split, self.seed, self.size, self.textured)
+        meta, img, _ = example(self.indices[i], self.split, self.seed, self.size, self.textured, self.mix)
         return meta["prompt"], img
 
 
@@ -66,30 +71,56 @@ def _stack(items):
     return torch.from_numpy(np.stack([img for _, img in items])), [p for p, _ in items]
 
 
+def _check_mix(mix) -> dict[str, float] | None:
+    """A task mixture {task: weight} as plain floats; None keeps the default mixture."""
+    if mix is None:
+        return None
+    if not hasattr(mix, "items"):
+        raise ValueError(f"data.mix={mix!r} is not a mapping: give task weights, e.g. "
+                         f"data.mix='{{colors: 0.3, dense: 0.7}}', or null for the default mixture")
+    out = {}
+    for tag, w in mix.items():
+        if tag not in ALL_TAGS:
+            raise ValueError(f"data.mix has an unknown task {tag!r}: expected some of {list(ALL_TAGS)}")
+        out[str(tag)] = expect_float(f"data.mix.{tag}", w, 0.0)
+    if sum(out.values()) <= 0:
+        raise ValueError(f"data.mix={out} has no positive weight: give at least one task a weight > 0")
+    return out
+
+
 class ShapesTokenDataModule(L.LightningDataModule):
     def __init__(self, tokenizer_dir: str, cache_dir: str, image_size: int = 64, train_shards: int = 12,
                  val_shards: int = 1, shard_size: int = 10_000, textured_frac: float = 0.0, batch_size: int = 32,
                  num_workers: int = 0, seed: int = 0, encode_batch: int = 256, encode_device: str = "auto",
-                 render_workers: int = 0):
+                 render_workers: int = 0, first_train_shard: int = 0, mix: dict | None = None):
         super().__init__()
         for name, value in (("train_shards", train_shards), ("val_shards", val_shards), ("shard_size", shard_size),
                             ("batch_size", batch_size), ("encode_batch", encode_batch)):
             expect_int(f"data.{name}", value, 1)
+        expect_int("data.first_train_shard", first_train_shard, 0)
         expect_float("data.textured_frac", textured_frac, 0.0, 1.0)
-        self.save_hyperparameters()
+        self.mix = _check_mix(mix)
+        self.save_hyperparameters(ignore=["mix"])
 
-    def _key(self) -> str:
+    def _key(self, split: str = "train") -> str:
         h = self.hparams
         sha = _file_sha(Path(h.tokenizer_dir) / "model.safetensors")
-        spec = json.dumps([sha, h.image_size, h.shard_size, h.textured_frac, h.seed], sort_keys=True)
-        return hashlib.sha1(spec.encode()).hexdigest()[:12]
+        fields = [sha, h.image_size, h.shard_size, h.textured_frac, h.seed]
+        # The mixture shapes the training shards only: validation keeps the default mixture, so validation
+        # losses stay comparable across mixtures; the default keeps the hash of caches written before `mix`.
+        if self.mix is not None and split == "train":
+            fields.append(sorted(self.mix.items()))
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+    def _train_range(self) -> range:
+        return range(self.hparams.first_train_shard, self.hparams.first_train_shard + self.hparams.train_shards)
 
     def _shard_path(self, split: str, k: int) -> Path:
-        return Path(self.hparams.cache_dir) / self._key() / f"{split}_{k:05d}.npz"
+        return Path(self.hparams.cache_dir) / self._key(split) / f"{split}_{k:05d}.npz"
 
     def prepare_data(self):
         h = self.hparams
-        todo = missing_shards(self._shard_path, {"train": h.train_shards, "val": h.val_shards})
+        todo = missing_shards(self._shard_path, {"train": self._train_range(), "val": range(h.val_shards)})
         if not todo:
             return
         device = h.encode_device
@@ -104,7 +135,7 @@ class ShapesTokenDataModule(L.LightningDataModule):
         h = self.hparams
         codes, prompts = [], []
         stream = _Examples(range(k * h.shard_size, (k + 1) * h.shard_size), split, h.seed, h.image_size,
-                           h.textured_frac)
+                           h.textured_frac, self.mix if split == "train" else None)
         loader = DataLoader(stream, batch_size=h.encode_batch, num_workers=h.render_workers, collate_fn=_stack)
         for images, batch_prompts in tqdm(loader, desc=f"{split} shard {k}", leave=False):
             # VQ: codes (B, h, w); KL: scaled latents (B, L, d)
@@ -117,7 +148,7 @@ class ShapesTokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None):
         h = self.hparams
-        self.train_set = TokenShards([self._shard_path("train", k) for k in range(h.train_shards)])
+        self.train_set = TokenShards([self._shard_path("train", k) for k in self._train_range()])
         self.val_set = TokenShards([self._shard_path("val", k) for k in range(h.val_shards)])
 
     def train_dataloader(self):

@@ -40,9 +40,11 @@ def atomic_savez(path: str | Path, **arrays) -> None:
     os.replace(tmp, path)
 
 
-def missing_shards(shard_path, counts: dict[str, int]) -> list[tuple[str, int]]:
-    """(split, index) of the shards not written yet, for `shard_path(split, k)` and shard counts per split."""
-    return [(s, k) for s, n in counts.items() for k in range(n) if not shard_path(s, k).is_file()]
+def missing_shards(shard_path, counts: dict[str, int | range]) -> list[tuple[str, int]]:
+    """(split, index) of the shards not written yet, for `shard_path(split, k)` and, per split, a shard
+    count (shards 0..n-1) or a range of shard indices."""
+    return [(s, k) for s, n in counts.items() for k in (range(n) if isinstance(n, int) else n)
+            if not shard_path(s, k).is_file()]
 
 
 def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict, metrics: dict | None = None,
