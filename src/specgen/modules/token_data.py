@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import cached_property
 from pathlib import Path
 
 import lightning as L
@@ -102,10 +103,13 @@ class ShapesTokenDataModule(L.LightningDataModule):
         self.mix = _check_mix(mix)
         self.save_hyperparameters(ignore=["mix"])
 
+    @cached_property
+    def _tokenizer_sha(self) -> str:  # hashed once, not once per shard path
+        return _file_sha(Path(self.hparams.tokenizer_dir) / "model.safetensors")
+
     def _key(self, split: str = "train") -> str:
         h = self.hparams
-        sha = _file_sha(Path(h.tokenizer_dir) / "model.safetensors")
-        fields = [sha, h.image_size, h.shard_size, h.textured_frac, h.seed]
+        fields = [self._tokenizer_sha, h.image_size, h.shard_size, h.textured_frac, h.seed]
         # The mixture shapes the training shards only: validation keeps the default mixture, so validation
         # losses stay comparable across mixtures; the default keeps the hash of caches written before `mix`.
         if self.mix is not None and split == "train":
