@@ -233,6 +233,38 @@ def test_half_precision_export_halves_parameters_and_keeps_buffers(tmp_path):
         export(tmp_path / "bad", net, cfg, weights_dtype="int8")
 
 
+def test_averaging_exports_is_the_weighted_mean_and_refuses_other_models(tmp_path):
+    from safetensors.torch import load_file
+
+    from specgen.utils.average import average_exports, main
+    from specgen.utils.checkpoints import export, load_exported
+
+    cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 16,
+           "preset": "tiny"}
+    nets = []
+    for i in range(2):
+        torch.manual_seed(i)
+        nets.append(instantiate(cfg))
+        export(tmp_path / f"m{i}", nets[-1], cfg, weights_dtype="float16")
+    average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "avg", weights=[3, 1])
+    avg = load_exported(tmp_path / "avg")
+    stored = load_file(str(tmp_path / "avg" / "model.safetensors"))
+    p0, p1 = (dict(n.named_parameters()) for n in nets)
+    for k, p in avg.named_parameters():
+        assert stored[k].dtype == torch.float16  # the first input's storage dtype
+        want = 0.75 * p0[k].detach().half().float() + 0.25 * p1[k].detach().half().float()
+        torch.testing.assert_close(p, want.half().float())
+    assert "--weights 0.75 0.25" in (tmp_path / "avg" / "command.txt").read_text()
+    other = dict(cfg, preset="small")
+    export(tmp_path / "other", instantiate(other), other)
+    with pytest.raises(ValueError, match="another config.yaml"):
+        average_exports([tmp_path / "m0", tmp_path / "other"], tmp_path / "bad")
+    with pytest.raises(ValueError, match="one per input"):
+        average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "bad", weights=[1.0])
+    with pytest.raises(SystemExit, match="not an exported model"):
+        main(["--out", str(tmp_path / "bad"), str(tmp_path / "m0"), str(tmp_path / "missing")])
+
+
 def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_exports):
     """prepare_only (with rendering in workers) writes the same shards as the in-process path."""
     import numpy as np
