@@ -261,6 +261,14 @@ def test_averaging_exports_is_the_weighted_mean_and_refuses_other_models(tmp_pat
         average_exports([tmp_path / "m0", tmp_path / "other"], tmp_path / "bad")
     with pytest.raises(ValueError, match="one per input"):
         average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "bad", weights=[1.0])
+    with pytest.raises(ValueError, match="is one of the inputs"):
+        average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "m1")
+    (tmp_path / "m0" / "extra.json").write_text('{"backbone_id": "a"}')
+    with pytest.raises(ValueError, match="extra.json differ"):
+        average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "bad")
+    (tmp_path / "m1" / "extra.json").write_text('{"backbone_id": "a"}')
+    average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "avg2")
+    assert (tmp_path / "avg2" / "extra.json").read_text() == '{"backbone_id": "a"}'
     with pytest.raises(SystemExit, match="not an exported model"):
         main(["--out", str(tmp_path / "bad"), str(tmp_path / "m0"), str(tmp_path / "missing")])
 

@@ -4,7 +4,8 @@
 
 Every input must be an exported folder (`model.safetensors` + `config.yaml`) with the same `config.yaml`;
 floating-point tensors are averaged in fp32 and stored in the dtype of the first input, other tensors must
-agree. The output folder gets the averaged weights, the shared config and a `command.txt` naming the inputs.
+agree. The output folder gets the averaged weights, the shared config (and `extra.json`, which must be the same
+in every input: a drafter's backbone) and a `command.txt` naming the inputs.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def average_exports(inputs: list[str | Path], out: str | Path, weights: list[flo
         raise ValueError(f"--weights has {len(weights)} value(s) for {len(inputs)} inputs: give one per input")
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--weights {weights}: use non-negative weights with a positive sum")
+    out = Path(out)
+    if any(out.resolve() == p.resolve() for p in inputs):
+        raise ValueError(f"--out {str(out)!r} is one of the inputs: write the average to a new folder")
     total = sum(weights)
     weights = [w / total for w in weights]
     states, configs = zip(*(_read(p) for p in inputs))
@@ -48,6 +52,10 @@ def average_exports(inputs: list[str | Path], out: str | Path, weights: list[flo
                              f"architecture (one config) can be averaged")
         if state.keys() != states[0].keys():
             raise ValueError(f"{str(p)!r} and {str(inputs[0])!r} hold different tensors: not the same model")
+    extras = {(p / "extra.json").read_text() if (p / "extra.json").is_file() else None for p in inputs}
+    if len(extras) > 1:
+        raise ValueError("the inputs' extra.json differ (e.g. drafters of different backbones): average only "
+                         "models trained against the same backbone")
     mean = {}
     for key, first in states[0].items():
         if first.is_floating_point():
@@ -58,12 +66,14 @@ def average_exports(inputs: list[str | Path], out: str | Path, weights: list[flo
                 if not torch.equal(s[key], first):
                     raise ValueError(f"non-float tensor {key!r} differs between {str(inputs[0])!r} and {str(p)!r}")
             mean[key] = first
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".model.safetensors.tmp"
     save_file(mean, str(tmp))
     tmp.replace(out / "model.safetensors")
     atomic_write_text(out / "config.yaml", configs[0])
+    extra = extras.pop()
+    if extra is not None:  # drafters: the backbone they were distilled from
+        atomic_write_text(out / "extra.json", extra)
     atomic_write_text(out / "command.txt", "python -m specgen.utils.average --out " + shlex.quote(str(out)) + " "
                       + " ".join(shlex.quote(str(p)) for p in inputs)
                       + " --weights " + " ".join(f"{w:g}" for w in weights) + "\n")
