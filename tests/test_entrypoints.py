@@ -1,4 +1,5 @@
 """The real Hydra configs compose, every LightningModule trains a step, runs resume, W&B runs close."""
+import json
 from pathlib import Path
 
 import pytest
@@ -353,3 +354,33 @@ def test_training_precision_follows_the_hardware(tmp_path):
     cfg = compose_cfg("train", ["experiment=mar_shapes_cpu_train"], tmp_path)
     assert cfg.trainer.precision == autocast_precision(cfg.trainer.accelerator)
     assert compose_cfg("train", ["experiment=ar_shapes_train", "trainer=gpu"], tmp_path).trainer.precision == "bf16-mixed"
+
+
+def test_a_lightning_checkpoint_becomes_an_exported_folder(tmp_path):
+    from specgen.utils.ckpt_export import ckpt_to_export, main
+    from specgen.utils.checkpoints import export, load_exported
+
+    cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 16,
+           "preset": "tiny"}
+    torch.manual_seed(0)
+    export(tmp_path / "like", instantiate(cfg), cfg, weights_dtype="float16")
+    (tmp_path / "like" / "extra.json").write_text('{"backbone_id": "b"}')
+    torch.manual_seed(1)
+    trained = instantiate(cfg)  # the weights a run's checkpoint holds, beside an optimiser state and an EMA copy
+    state = {f"net.{k}": v for k, v in trained.state_dict().items()}
+    state.update({f"ema.{k}": torch.zeros_like(v) for k, v in trained.state_dict().items()})
+    torch.save({"state_dict": state, "global_step": 250, "optimizer_states": []}, tmp_path / "step250.ckpt")
+    ckpt_to_export(tmp_path / "step250.ckpt", tmp_path / "like", tmp_path / "out")
+    back = load_exported(tmp_path / "out")
+    for k, p in back.named_parameters():
+        torch.testing.assert_close(p, dict(trained.named_parameters())[k].detach().half().float())
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["global_step"] == 250
+    assert (tmp_path / "out" / "extra.json").read_text() == '{"backbone_id": "b"}'
+    with pytest.raises(ValueError, match=r"--prefix 'model'.*\['ema', 'net'\]"):
+        ckpt_to_export(tmp_path / "step250.ckpt", tmp_path / "like", tmp_path / "bad", prefix="model")
+    other = dict(cfg, preset="small")
+    export(tmp_path / "other", instantiate(other), other)
+    with pytest.raises(ValueError, match="do not fit the network"):
+        ckpt_to_export(tmp_path / "step250.ckpt", tmp_path / "other", tmp_path / "bad")
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        main([str(tmp_path / "missing.ckpt"), "--like", str(tmp_path / "like"), "--out", str(tmp_path / "bad")])
