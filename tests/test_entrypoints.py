@@ -269,7 +269,7 @@ def test_averaging_exports_is_the_weighted_mean_and_refuses_other_models(tmp_pat
         average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "bad")
     (tmp_path / "m1" / "extra.json").write_text('{"backbone_id": "a"}')
     average_exports([tmp_path / "m0", tmp_path / "m1"], tmp_path / "avg2")
-    assert (tmp_path / "avg2" / "extra.json").read_text() == '{"backbone_id": "a"}'
+    assert json.loads((tmp_path / "avg2" / "extra.json").read_text()) == {"backbone_id": "a"}
     with pytest.raises(SystemExit, match="not an exported model"):
         main(["--out", str(tmp_path / "bad"), str(tmp_path / "m0"), str(tmp_path / "missing")])
 
@@ -375,7 +375,7 @@ def test_a_lightning_checkpoint_becomes_an_exported_folder(tmp_path):
     for k, p in back.named_parameters():
         torch.testing.assert_close(p, dict(trained.named_parameters())[k].detach().half().float())
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["global_step"] == 250
-    assert (tmp_path / "out" / "extra.json").read_text() == '{"backbone_id": "b"}'
+    assert json.loads((tmp_path / "out" / "extra.json").read_text()) == {"backbone_id": "b"}
     with pytest.raises(ValueError, match=r"--prefix 'model'.*\['ema', 'net'\]"):
         ckpt_to_export(tmp_path / "step250.ckpt", tmp_path / "like", tmp_path / "bad", prefix="model")
     other = dict(cfg, preset="small")

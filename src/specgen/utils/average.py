@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from specgen.utils.checkpoints import atomic_write_text
+from specgen.utils.checkpoints import export, stored_weights_dtype
 
 
 def _read(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -27,7 +27,7 @@ def _read(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     if not weights.is_file() or not config.is_file():
         raise FileNotFoundError(f"{str(folder)!r} is not an exported model (expected model.safetensors and "
                                 f"config.yaml there): pass folders written by the export callback")
-    return load_file(str(weights)), OmegaConf.to_yaml(OmegaConf.load(config))
+    return load_file(str(weights)), OmegaConf.to_yaml(OmegaConf.load(config))  # yaml text: compared across inputs
 
 
 def average_exports(inputs: list[str | Path], out: str | Path, weights: list[float] | None = None) -> Path:
@@ -59,27 +59,23 @@ def average_exports(inputs: list[str | Path], out: str | Path, weights: list[flo
     mean = {}
     for key, first in states[0].items():
         if first.is_floating_point():
-            acc = sum(w * s[key].to(torch.float32) for w, s in zip(weights, states))
-            mean[key] = acc.to(first.dtype).contiguous()
+            mean[key] = sum(w * s[key].to(torch.float32) for w, s in zip(weights, states))
         else:
             for p, s in zip(inputs[1:], states[1:]):
                 if not torch.equal(s[key], first):
                     raise ValueError(f"non-float tensor {key!r} differs between {str(inputs[0])!r} and {str(p)!r}")
             mean[key] = first
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".model.safetensors.tmp"
-    save_file(mean, str(tmp))
-    tmp.replace(out / "model.safetensors")
-    atomic_write_text(out / "config.yaml", configs[0])
+    from hydra.utils import instantiate
+
+    cfg = OmegaConf.create(configs[0])
+    net = instantiate(cfg)
+    net.load_state_dict(mean)
     extra = extras.pop()
-    if extra is not None:  # drafters: the backbone they were distilled from
-        atomic_write_text(out / "extra.json", extra)
-    atomic_write_text(out / "command.txt", "python -m specgen.utils.average --out " + shlex.quote(str(out)) + " "
-                      + " ".join(shlex.quote(str(p)) for p in inputs)
-                      + " --weights " + " ".join(f"{w:g}" for w in weights) + "\n")
-    atomic_write_text(out / "metrics.json", json.dumps({"averaged_from": [str(p) for p in inputs],
-                                                        "weights": weights}, indent=2) + "\n")
-    return out
+    command = ("python -m specgen.utils.average --out " + shlex.quote(str(out)) + " "
+               + " ".join(shlex.quote(str(p)) for p in inputs) + " --weights " + " ".join(f"{w:g}" for w in weights))
+    return export(out, net, cfg, metrics={"averaged_from": [str(p) for p in inputs], "weights": weights},
+                  command=command, extra=None if extra is None else json.loads(extra),
+                  weights_dtype=stored_weights_dtype(inputs[0], net))
 
 
 def main(argv: list[str] | None = None) -> None:

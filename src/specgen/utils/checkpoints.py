@@ -79,6 +79,13 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
     return dirpath
 
 
+def stored_weights_dtype(dirpath: str | Path, net: torch.nn.Module) -> str:
+    """The dtype an exported folder stores `net`'s parameters in (`export`'s `weights_dtype`)."""
+    params = dict(net.named_parameters())
+    stored = load_file(str(Path(dirpath) / "model.safetensors"))
+    return next((str(v.dtype).removeprefix("torch.") for k, v in stored.items() if k in params), "float32")
+
+
 def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the module from `dirpath/config.yaml` and load its weights (in eval mode)."""
     from hydra.utils import instantiate

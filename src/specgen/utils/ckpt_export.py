@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 
-from specgen.utils.checkpoints import export
+from specgen.utils.checkpoints import export, stored_weights_dtype
 
 
 def ckpt_to_export(ckpt: str | Path, like: str | Path, out: str | Path, prefix: str = "net") -> Path:
@@ -51,15 +49,10 @@ def ckpt_to_export(ckpt: str | Path, like: str | Path, out: str | Path, prefix: 
     except RuntimeError as e:
         raise ValueError(f"the checkpoint's {prefix!r} weights do not fit the network of {str(like / 'config.yaml')!r}"
                          f" (another architecture?): {str(e).splitlines()[0]}") from e
-    stored = load_file(str(like / "model.safetensors"))
-    params = dict(net.named_parameters())
-    dtype = next((str(v.dtype).removeprefix("torch.") for k, v in stored.items() if k in params), "float32")
+    extra = json.loads((like / "extra.json").read_text()) if (like / "extra.json").is_file() else None
     metrics = {"global_step": int(state.get("global_step", -1)), "from_ckpt": str(ckpt)}
-    export(out, net, cfg, metrics=metrics, weights_dtype=dtype,
-           command=f"python -m specgen.utils.ckpt_export {ckpt} --like {like} --out {out} --prefix {prefix}")
-    if (like / "extra.json").is_file():
-        shutil.copyfile(like / "extra.json", out / "extra.json")
-    return out
+    return export(out, net, cfg, metrics=metrics, extra=extra, weights_dtype=stored_weights_dtype(like, net),
+                  command=f"python -m specgen.utils.ckpt_export {ckpt} --like {like} --out {out} --prefix {prefix}")
 
 
 def main(argv: list[str] | None = None) -> None:
