@@ -31,6 +31,13 @@ def test_eval_writes_flat_metrics_and_reuses_cached_images(tmp_path, tiny_export
     assert on_disk["ar/speed/nfe"] == 256  # 16x16 grid: one pass per visual token
     assert (out / "grid.png").is_file() and (out / "results.csv").is_file()
     assert (out / "geneval_samples" / "00000" / "samples" / "0000.png").is_file()
+    from specgen.evaluation.geneval_report import read_results, report
+
+    table = {r["task"]: r for r in report(read_results(out), [None], resamples=50)}
+    assert {r["sample"] for r in read_results(out / "results.csv")} == {0}  # one sample per prompt
+    for task in TASKS + ("overall",):
+        assert table[task]["score"] == pytest.approx(on_disk[f"ar/geneval/{task}"])
+    assert table["overall"]["binomial_ci95"] == pytest.approx(on_disk["ar/geneval/overall_ci95"])
 
     pngs = sorted(Path(cfg.paths.data_dir, "image_cache").rglob("*.png"))
     assert len(pngs) == 6
@@ -326,3 +333,55 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
                       tmp_path)
     m = run_eval(cfg)
     assert "ssd/speed/nfe_ratio" in m and not any("/geneval/" in k for k in m)
+
+
+def _results_csv(path, rows, with_sample=True):
+    import csv
+
+    fields = ["benchmark", "tag", "prompt"] + (["sample"] if with_sample else []) + ["seed", "correct", "reason", "decoding"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: v for k, v in r.items() if k in fields})
+
+
+def test_geneval_report_scores_the_first_k_samples_and_resamples_prompts(tmp_path, capsys):
+    from specgen.evaluation.geneval_report import main, prompt_bootstrap, read_results, report
+
+    # colours: prompt a hits 4 of its first 4 and fails its next 2; prompt b fails its first, hits the rest
+    pattern = {"a red circle": [1, 1, 1, 1, 0, 0], "a blue square": [0, 1, 1, 1, 1, 1]}
+    rows = [{"benchmark": "geneval", "tag": "colors", "prompt": p, "sample": k, "seed": 100 + k,
+             "correct": bool(v), "reason": "", "decoding": "ar"} for p, hits in pattern.items() for k, v in enumerate(hits)]
+    rows += [{"benchmark": "geneval", "tag": "single_object", "prompt": "a cross", "sample": k, "seed": k,
+              "correct": k != 2, "reason": "", "decoding": "ar"} for k in range(4)]
+    rows += [{"benchmark": "dpg", "tag": "dense", "prompt": "x", "seed": 0, "correct": 0.5, "reason": "",
+              "decoding": "ar"}]  # other benchmarks' rows are skipped
+    _results_csv(tmp_path / "results.csv", rows)
+    table = {(r["task"], r["samples_per_prompt"]): r for r in report(read_results(tmp_path), [4, None])}
+    assert table["colors", 4]["score"] == pytest.approx(7 / 8) and table["colors", 4]["images"] == 8
+    assert table["colors", "all"]["score"] == pytest.approx(9 / 12)
+    assert table["single_object", 4]["score"] == pytest.approx(3 / 4)
+    assert table["overall", 4]["score"] == pytest.approx((7 / 8 + 3 / 4) / 2)
+    for r in table.values():
+        assert r["prompt_boot_lo"] <= r["score"] <= r["prompt_boot_hi"]
+    assert table["colors", "all"]["prompt_boot_lo"] < table["colors", "all"]["prompt_boot_hi"]  # prompts differ
+    assert prompt_bootstrap([[[True, False]] * 5]) == (0.5, 0.5)  # identical prompts: no prompt spread
+
+    # a results.csv without the sample column: a prompt's rows in file order are its samples
+    _results_csv(tmp_path / "old.csv", rows, with_sample=False)
+    old = report(read_results(tmp_path / "old.csv"), [4, None])
+    assert [r["score"] for r in old] == [r["score"] for r in report(read_results(tmp_path), [4, None])]
+
+    main([str(tmp_path), "--samples", "2", "all", "--out", str(tmp_path / "report.csv")])
+    assert "colors" in capsys.readouterr().out and (tmp_path / "report.csv").is_file()
+    with pytest.raises(FileNotFoundError, match="specgen.eval"):
+        read_results(tmp_path / "missing")
+    (tmp_path / "bad.csv").write_text("prompt,seed\nx,0\n")
+    with pytest.raises(ValueError, match="lacks the columns"):
+        read_results(tmp_path / "bad.csv")
+    _results_csv(tmp_path / "dpg.csv", rows[-1:])
+    with pytest.raises(ValueError, match="no GenEval rows"):
+        read_results(tmp_path / "dpg.csv")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--samples", "0"])

@@ -54,11 +54,12 @@ class GenEval:
             for job, image in zip(jobs, images):
                 items.setdefault(job.prompt, (job.meta, []))[1].append(image)
             write_official_layout(self.layout_dir, list(items.values()))
-        rows = []
+        rows, seen = [], {}
         for job, image in zip(jobs, images):
             correct, reason = evaluate(self.detector.detect(image), job.meta, self.thresholds)
-            rows.append({"benchmark": self.name, "tag": job.meta["tag"], "prompt": job.prompt, "seed": job.seed,
-                         "correct": bool(correct), "reason": reason})
+            k = seen[job.prompt] = seen.get(job.prompt, -1) + 1  # jobs list a prompt's samples in order
+            rows.append({"benchmark": self.name, "tag": job.meta["tag"], "prompt": job.prompt, "sample": k,
+                         "seed": job.seed, "correct": bool(correct), "reason": reason})
         return summarize(rows), rows
 
 

@@ -229,7 +229,8 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
     import io
 
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    fields = list(dict.fromkeys(k for r in rows for k in r))  # benchmarks' rows differ in columns
+    writer = csv.DictWriter(buf, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(path, buf.getvalue())
