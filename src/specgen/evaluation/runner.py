@@ -247,6 +247,8 @@ def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> 
             logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
         if hasattr(logger, "log_table") and rows:
             # one type per column: GenEval marks images correct (bool), DPG scores them (float)
-            data = [[float(v) if isinstance(v, bool) else v for v in r.values()] for r in rows]
-            logger.log_table("eval/results", columns=list(rows[0]), data=data)
+            # (missing cells, e.g. DPG rows have no sample index, are None)
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            data = [[float(v) if isinstance(v, bool) else v for v in (r.get(c) for c in columns)] for r in rows]
+            logger.log_table("eval/results", columns=columns, data=data)
         logger.finalize("success")
