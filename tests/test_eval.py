@@ -383,5 +383,7 @@ def test_geneval_report_scores_the_first_k_samples_and_resamples_prompts(tmp_pat
     _results_csv(tmp_path / "dpg.csv", rows[-1:])
     with pytest.raises(ValueError, match="no GenEval rows"):
         read_results(tmp_path / "dpg.csv")
-    with pytest.raises(SystemExit):
-        main([str(tmp_path), "--samples", "0"])
+    for bad in (["--samples", "0"], ["--samples", "four"], ["--resamples", "0"]):
+        with pytest.raises(SystemExit):
+            main([str(tmp_path), *bad])
+    assert "--samples 'four'" in capsys.readouterr().err

@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--resamples", type=int, default=2000)
     ap.add_argument("--out", help="also write the table as CSV here")
     a = ap.parse_args(argv)
+    if a.resamples < 1:
+        ap.error(f"--resamples {a.resamples}: give a positive number of bootstrap resamples (e.g. 2000)")
     table = report(read_results(a.results), a.samples, a.resamples)
     print(format_report(table))
     if a.out:
