@@ -8,17 +8,31 @@ from specgen.world.prompts import SPLITS, TAGS, WORDS, sample_prompt, tokenize_w
 from specgen.evaluation.geneval import Object, evaluate
 
 
-@pytest.mark.parametrize("texture", ["plain", "textured"])
-def test_parser_recovers_rendered_scenes(texture):
+@pytest.mark.parametrize("texture,any_size", [("plain", False), ("textured", False), ("plain", True)])
+def test_parser_recovers_rendered_scenes(texture, any_size):
     rng = random.Random(123)
     matched = total = extra = 0
     for i in range(400):
         _, scene = sample_example(rng)
-        m, n, d = match_scene(scene, parse(render(scene, 64, texture, seed=i)), 64)
+        m, n, d = match_scene(scene, parse(render(scene, 64, texture, seed=i), any_size=any_size), 64)
         matched, total, extra = matched + m, total + n, extra + (d - m)
     assert total > 800
     assert matched / total >= 0.99
     assert extra / total <= 0.01
+
+
+def test_any_size_parse_reads_shapes_between_and_around_the_world_sizes():
+    from specgen.world.render import shape_mask
+    from specgen.world.scene import COLORS, SHAPES
+
+    for side in range(10, 23):  # the world draws 12 and 20 px objects on a 64 px canvas
+        for shape in SHAPES:
+            img = np.full((64, 64, 3), 200, np.uint8)
+            img[shape_mask(shape, (20, 24, 20 + side, 24 + side), 64)] = COLORS["orange"]
+            (det,) = parse(img, any_size=True)
+            assert (det.shape, det.color) == (shape, "orange"), (shape, side)
+            assert det.size == ("small" if side <= 16 else "large")  # the nearest world size (16: a tie)
+            assert det.score == 1.0
 
 
 def test_scenes_satisfy_their_prompts_under_geneval_rules():

@@ -37,12 +37,18 @@ class Detector(Protocol):
 
 
 class ShapesDetector:
-    """The exact shapes-world parser as a GenEval detector (classes are shape names)."""
+    """The exact shapes-world parser as a GenEval detector (classes are shape names). `any_size` fits shape
+    templates at every size, not only the world's two (a check of how much the two-size fit costs generated
+    images whose objects miss both sizes)."""
+
+    def __init__(self, any_size: bool = False):
+        self.any_size = any_size
 
     def detect(self, image: np.ndarray) -> list[Object]:
         from specgen.world.parse import parse
 
-        return [Object(d.shape, tuple(float(v) for v in d.box), d.score, d.color) for d in parse(image)]
+        return [Object(d.shape, tuple(float(v) for v in d.box), d.score, d.color)
+                for d in parse(image, any_size=self.any_size)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,12 +43,24 @@ def _template(shape: str, side: int) -> np.ndarray:
     return shape_mask(shape, (0, 0, side, side), side)
 
 
-def _fit_template(mask: np.ndarray, canvas: int, search: int = 2) -> tuple[str, str, tuple[int, int, int, int], float]:
+def _sides(canvas: int, any_size: bool) -> list[tuple[str, int]]:
+    """(size name, template side in px) pairs: the world's two sizes, or every side from 0.15 to 0.35 of the
+    canvas named by the nearest world size."""
+    world = {size: round(frac * canvas) for size, frac in SIZES.items()}
+    if not any_size:
+        return list(world.items())
+    return [(min(world, key=lambda k: abs(world[k] - side)), side)
+            for side in range(round(0.15 * canvas), round(0.35 * canvas) + 1)]
+
+
+def _fit_template(mask: np.ndarray, canvas: int, search: int = 2,
+                  any_size: bool = False) -> tuple[str, str, tuple[int, int, int, int], float]:
     """Best (shape, size, box, IoU) over every shape at the world's two sizes and small shifts.
 
     The world has exactly two object sizes, so templates are matched at those sizes, placed by the
     mask's box centre and shifted by up to `search` px: a blurred small diamond is then still a
-    diamond, even when its tips fall below the threshold and its own box shrinks.
+    diamond, even when its tips fall below the threshold and its own box shrinks. `any_size` also
+    tries every size in between and around (for generated objects that miss both sizes).
     """
     ys, xs = np.nonzero(mask)
     cx, cy = (xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2
@@ -56,8 +68,7 @@ def _fit_template(mask: np.ndarray, canvas: int, search: int = 2) -> tuple[str, 
     pad = canvas  # zero margin so that every shifted template window lies inside the array
     padded = np.pad(mask, pad).astype(np.float32)
     best = ("circle", "small", (0, 0, 0, 0), -1.0)
-    for size, frac in SIZES.items():
-        side = round(frac * canvas)
+    for size, side in _sides(canvas, any_size):
         x0, y0 = int(round(cx - side / 2)) - search, int(round(cy - side / 2)) - search
         window = padded[y0 + pad: y0 + pad + side + 2 * search, x0 + pad: x0 + pad + side + 2 * search]
         for shape in SHAPES:
@@ -70,8 +81,8 @@ def _fit_template(mask: np.ndarray, canvas: int, search: int = 2) -> tuple[str, 
     return best
 
 
-def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
-    """Parse a uint8 (H, W, 3) image into detections, largest first."""
+def parse(image: np.ndarray, min_area_frac: float = 0.005, any_size: bool = False) -> list[Detection]:
+    """Parse a uint8 (H, W, 3) image into detections, largest first (`any_size`: see `_fit_template`)."""
     if image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"parse expects an (H, W, 3) uint8 image, got shape {tuple(image.shape)}")
     img = image.astype(np.float32)
@@ -92,7 +103,7 @@ def parse(image: np.ndarray, min_area_frac: float = 0.005) -> list[Detection]:
         # crosses half of its colour's saturation, as for a step edge seen through a blur
         solid = mask & (sat > 0.5 * _PALETTE_SAT[color])
         mask = solid if solid.sum() >= 0.5 * mask.sum() else mask
-        shape, size, box, iou = _fit_template(ndimage.binary_fill_holes(mask), w)
+        shape, size, box, iou = _fit_template(ndimage.binary_fill_holes(mask), w, any_size=any_size)
         # IoU >= 0.7 is a clean shape (score 1); below 0.4 it is a blob (score 0)
         score = float(np.clip((iou - 0.4) / 0.3, 0.0, 1.0))
         dets.append(Detection(shape, _COLOR_NAMES[color], size, box, score, mask))
