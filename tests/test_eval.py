@@ -335,6 +335,24 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
     assert "ssd/speed/nfe_ratio" in m and not any("/geneval/" in k for k in m)
 
 
+def test_geneval_rows_carry_each_image_index_within_its_prompt():
+    from specgen.evaluation.benchmarks import GenEval
+
+    class NoObjects:
+        def detect(self, image):
+            return []
+
+    bench = GenEval(prompts_per_task=2, samples_per_prompt=3, detector=NoObjects())
+    jobs = bench.jobs(seed=0)
+    _, rows = bench.score(jobs, [np.zeros((64, 64, 3), np.uint8)] * len(jobs))
+    by_prompt = {}
+    for job, row in zip(jobs, rows):
+        assert (row["prompt"], row["seed"], row["sample"]) == (job.prompt, job.seed, job.sample)
+        by_prompt.setdefault(row["prompt"], []).append(row["sample"])
+    assert len(by_prompt) == 12 and all(v == [0, 1, 2] for v in by_prompt.values())
+    assert not any(r["correct"] for r in rows)  # nothing detected: every clause fails
+
+
 def _results_csv(path, rows, with_sample=True):
     import csv
 

@@ -44,7 +44,7 @@ class GenEval:
     def jobs(self, seed: int) -> list[Job]:
         items = self.metadata()
         per = self.samples_for(items)
-        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m) for m in items for k in range(per[m["tag"]])]
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in items for k in range(per[m["tag"]])]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
         if self.layout_dir is not None:  # the official evaluator can be run on this folder
@@ -54,11 +54,10 @@ class GenEval:
             for job, image in zip(jobs, images):
                 items.setdefault(job.prompt, (job.meta, []))[1].append(image)
             write_official_layout(self.layout_dir, list(items.values()))
-        rows, seen = [], {}
+        rows = []
         for job, image in zip(jobs, images):
             correct, reason = evaluate(self.detector.detect(image), job.meta, self.thresholds)
-            k = seen[job.prompt] = seen.get(job.prompt, -1) + 1  # jobs list a prompt's samples in order
-            rows.append({"benchmark": self.name, "tag": job.meta["tag"], "prompt": job.prompt, "sample": k,
+            rows.append({"benchmark": self.name, "tag": job.meta["tag"], "prompt": job.prompt, "sample": job.sample,
                          "seed": job.seed, "correct": bool(correct), "reason": reason})
         return summarize(rows), rows
 
@@ -81,7 +80,7 @@ class DPGBench:
         self.mode, self.vqa = mode, vqa or ShapesOracle()
 
     def jobs(self, seed: int) -> list[Job]:
-        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m) for m in self.items for k in range(4)]
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
         from specgen.evaluation.dpg_bench import make_grid, score_image, shapes_questions, summarize

@@ -8,14 +8,12 @@ its overrides as the first columns and every metric matching `--metrics` after t
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 from pathlib import Path
 
 import yaml
 
-from specgen.utils.checkpoints import atomic_write_text
+from specgen.utils.checkpoints import atomic_write_csv
 
 
 def collect(root: str | Path, pattern: str | list[str] = "") -> list[dict]:
@@ -99,11 +97,7 @@ def main() -> None:
     if args.plot and pareto_plot(collect(args.root), *args.plot, Path(args.root) / "pareto.png"):
         print(f"wrote {Path(args.root) / 'pareto.png'}")
     if args.out:
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(args.out, buf.getvalue())
+        atomic_write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class Job:
     prompt: str
     seed: int
     meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    sample: int = dataclasses.field(default=0, compare=False)  # index among its prompt's samples
 
     @property
     def key(self) -> str:

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from specgen.evaluation.geneval import TASKS
-from specgen.utils.checkpoints import atomic_write_text
+from specgen.utils.checkpoints import atomic_write_csv
 
 REQUIRED = ("tag", "prompt", "correct")
 
@@ -137,11 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     table = report(read_results(a.results), a.samples, a.resamples)
     print(format_report(table))
     if a.out:
-        buf = io.StringIO()
-        writer = csv.DictWriter(buf, fieldnames=list(table[0]))
-        writer.writeheader()
-        writer.writerows(table)
-        atomic_write_text(a.out, buf.getvalue())
+        atomic_write_csv(a.out, table)
     return table
 
 

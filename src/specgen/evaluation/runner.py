@@ -1,7 +1,6 @@
 """Evaluation job: backbone + decoding strategy + benchmarks -> metrics.json, results.csv, grid.png, W&B."""
 from __future__ import annotations
 
-import csv
 import json
 import logging
 from pathlib import Path
@@ -13,7 +12,7 @@ from PIL import Image
 
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS
-from specgen.utils.checkpoints import atomic_write_text
+from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +108,8 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
                             fn.get("temperature", 1.0), fn.get("top_k"), seed=cfg.seed)
         metrics.update({f"ar/{k}": v for k, v in ent.items()})
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _write_csv(out_dir / "results.csv", rows)
+    if rows:  # speed-only runs have none
+        atomic_write_csv(out_dir / "results.csv", rows)
     names = list(strategies)
     if benchmarks and any(f"{n}/geneval/overall" in metrics for n in names):
         speed_quality_png(metrics, names, out_dir / "speed_quality.png", min(cfg.speed.batch_sizes))
@@ -174,7 +174,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     benchmarks = _benchmarks(cfg)
     metrics, rows, grid = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    _write_csv(out_dir / "results.csv", rows)
+    if rows:  # speed-only runs have none
+        atomic_write_csv(out_dir / "results.csv", rows)
     Image.fromarray(grid).save(out_dir / "grid.png")
     _log(cfg, metrics, grid, rows)
     print(format_table(metrics))
@@ -223,19 +224,6 @@ def _weights_ids(node) -> list[str]:
     return []
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    import io
-
-    buf = io.StringIO()
-    fields = list(dict.fromkeys(k for r in rows for k in r))  # benchmarks' rows differ in columns
-    writer = csv.DictWriter(buf, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
 def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> None:
     for lg_cfg in (cfg.get("logger") or {}).values():
         if lg_cfg is None:
@@ -247,7 +235,7 @@ def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> 
             logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
         if hasattr(logger, "log_table") and rows:
             # one type per column: GenEval marks images correct (bool), DPG scores them (float)
-            # (missing cells, e.g. DPG rows have no sample index, are None)
+            # (the union of the benchmarks' columns, as in results.csv; missing cells are None)
             columns = list(dict.fromkeys(k for r in rows for k in r))
             data = [[float(v) if isinstance(v, bool) else v for v in (r.get(c) for c in columns)] for r in rows]
             logger.log_table("eval/results", columns=columns, data=data)

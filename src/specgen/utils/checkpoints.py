@@ -28,6 +28,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_csv(path: str | Path, rows: list[dict]) -> None:
+    """Write dict rows as CSV atomically; the header is the union of the rows' keys in order of appearance
+    (rows of different benchmarks may differ in columns; missing cells are left empty)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
 def atomic_savez(path: str | Path, **arrays) -> None:
     """np.savez to a temp file in the same folder, then rename: a half-written file is never picked up."""
     import numpy as np
@@ -81,9 +94,12 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
 
 def stored_weights_dtype(dirpath: str | Path, net: torch.nn.Module) -> str:
     """The dtype an exported folder stores `net`'s parameters in (`export`'s `weights_dtype`)."""
+    from safetensors import safe_open
+
     params = dict(net.named_parameters())
-    stored = load_file(str(Path(dirpath) / "model.safetensors"))
-    return next((str(v.dtype).removeprefix("torch.") for k, v in stored.items() if k in params), "float32")
+    with safe_open(str(Path(dirpath) / "model.safetensors"), framework="pt") as f:  # reads one tensor, not all
+        key = next((k for k in f.keys() if k in params), None)
+        return "float32" if key is None else str(f.get_tensor(key).dtype).removeprefix("torch.")
 
 
 def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu") -> torch.nn.Module:
