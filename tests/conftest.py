@@ -15,7 +15,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(scope="session")
 def tiny_exports(tmp_path_factory):
     """A tiny random VQ tokenizer and backbone exported like the shipped ones."""
-    from specgen.utils.checkpoints import export
+    from specgen.utils.checkpoints import build as instantiate, export
 
     root = tmp_path_factory.mktemp("exports")
     torch.manual_seed(0)
@@ -23,8 +23,6 @@ def tiny_exports(tmp_path_factory):
               "z_dim": 8, "num_codes": 64}
     ar_cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 16,
               "preset": "tiny"}
-    from hydra.utils import instantiate
-
     fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs"}
     export(root / "vq", instantiate(vq_cfg), vq_cfg)
     export(root / "ar", instantiate(ar_cfg), ar_cfg)

@@ -1,20 +1,39 @@
-"""Exported model folders: weights (safetensors) + config.yaml + metrics.json + command.txt."""
+"""Exported model folders: weights (safetensors) + config.yaml + metrics.json + command.txt [+ extra.json].
+
+Loading a folder needs torch, safetensors and omegaconf only (no Hydra, no Lightning): `build` makes the
+object that `config.yaml`'s `_target_` names, so a backbone or drafter loads outside the config system.
+"""
 from __future__ import annotations
 
+import csv
+import importlib
+import io
 import json
 import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-# How each shipped checkpoint is made, for error messages.
-REPRODUCE = {
-    "vq_shapes": "python -m specgen.train experiment=vq_shapes",
-    "ar_shapes": "python -m specgen.train experiment=ar_shapes",
-}
+REPO_ROOT = Path(__file__).resolve().parents[3]  # src/specgen/utils/checkpoints.py -> the repository
+# The experiment that exports each shipped folder (its `export_name`), for error messages.
+PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "ar_shapes_train",
+             "ar_shapes_draft": "ar_shapes_draft_train", "fphi_shapes": "fphi_shapes",
+             "fphi_tokens_shapes": "fphi_tokens_shapes", "mtp_shapes": "mtp_shapes", "featnet_shapes": "featnet_shapes",
+             "clip_shapes": "clip_shapes", "mar_shapes": "mar_shapes_train", "mar_shapes_draft": "mar_draft_train",
+             "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train"}
+
+
+def reproduce_hint(dirpath: str | Path) -> str:
+    """The command that makes an exported folder, by its name (a generic pointer for other names)."""
+    name = Path(dirpath).name
+    if name in PRODUCERS:
+        return f"python -m specgen.train experiment={PRODUCERS[name]}"
+    return "the training command of this model (see the README)"
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -31,9 +50,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def atomic_write_csv(path: str | Path, rows: list[dict]) -> None:
     """Write dict rows as CSV atomically; the header is the union of the rows' keys in order of appearance
     (rows of different benchmarks may differ in columns; missing cells are left empty)."""
-    import csv
-    import io
-
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
     writer.writeheader()
@@ -43,8 +59,6 @@ def atomic_write_csv(path: str | Path, rows: list[dict]) -> None:
 
 def atomic_savez(path: str | Path, **arrays) -> None:
     """np.savez to a temp file in the same folder, then rename: a half-written file is never picked up."""
-    import numpy as np
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
@@ -66,6 +80,8 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
 
     `weights_dtype="float16"` stores fp32 *parameters* in half precision (half the size on disk;
     they load back into the fp32 module); buffers (e.g. diffusion schedules) keep their dtype.
+    Absolute paths among `extra`'s values are never written (a folder that moves to another machine, or into
+    the repository, must carry no path of the machine that wrote it): see `portable_path`.
     """
     if weights_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"weights_dtype={weights_dtype!r}: use float32, float16 or bfloat16")
@@ -88,32 +104,89 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
     if command is not None:
         atomic_write_text(dirpath / "command.txt", command.strip() + "\n")
     if extra is not None:
-        atomic_write_text(dirpath / "extra.json", json.dumps(extra, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(dirpath / "extra.json", json.dumps(_portable(extra), indent=2,
+                                                             sort_keys=True) + "\n")
     return dirpath
+
+
+def portable_path(path: str) -> str:
+    """A path as exports record it: relative to the repository root when it lies inside it (the shipped
+    `checkpoints/<name>`), else only its last component (a name, not a path to follow: identities such as a
+    drafter's `backbone_id` are weight hashes, never paths). Relative paths are kept as they are."""
+    if not os.path.isabs(path):
+        return path
+    resolved = Path(path).resolve()
+    return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else resolved.name
+
+
+def _portable(value):
+    """`value` with every absolute path string (in nested dicts and lists too) made `portable_path`."""
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(v) for v in value]
+    return portable_path(value) if isinstance(value, str) else value
 
 
 def stored_weights_dtype(dirpath: str | Path, net: torch.nn.Module) -> str:
     """The dtype an exported folder stores `net`'s parameters in (`export`'s `weights_dtype`)."""
-    from safetensors import safe_open
-
     params = dict(net.named_parameters())
     with safe_open(str(Path(dirpath) / "model.safetensors"), framework="pt") as f:  # reads one tensor, not all
         key = next((k for k in f.keys() if k in params), None)
         return "float32" if key is None else str(f.get_tensor(key).dtype).removeprefix("torch.")
 
 
+def build(spec):
+    """The object a config node describes, without Hydra: a dict with `_target_` (a dotted path to a class or
+    function) is called with its other keys as keyword arguments, nested nodes and lists built first."""
+    if isinstance(spec, (list, tuple)):
+        return [build(v) for v in spec]
+    if not isinstance(spec, dict):
+        return spec
+    other = [k for k in spec if k.startswith("_") and k != "_target_"]
+    if other:
+        raise ValueError(f"config keys {other} are Hydra instantiate options that exported configs do not use: "
+                         f"give plain keyword arguments under `_target_`")
+    kwargs = {k: build(v) for k, v in spec.items() if k != "_target_"}
+    return _locate(spec["_target_"])(**kwargs) if "_target_" in spec else kwargs
+
+
+def _locate(path: str):
+    """The attribute a dotted path names (`pkg.module.Class` or `pkg.module.Class.method`)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError as err:
+            if err.name not in {".".join(parts[:i]) for i in range(1, cut + 1)}:
+                raise  # the module exists but imports something that is missing: that is the error to show
+            continue
+        try:
+            for name in parts[cut:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            break
+        return obj
+    raise ImportError(f"_target_ {path!r} names nothing importable: the config was written by another version of "
+                      f"specgen, or the class moved (set `_target_` to its current module path)")
+
+
 def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the module from `dirpath/config.yaml` and load its weights (in eval mode)."""
-    from hydra.utils import instantiate
-
     dirpath = Path(dirpath)
+    hint = reproduce_hint(dirpath)
     if not (dirpath / "model.safetensors").is_file() or not (dirpath / "config.yaml").is_file():
-        name = dirpath.name
-        hint = REPRODUCE.get(name, "the training command of this model (see the README)")
         raise FileNotFoundError(f"no exported model at {str(dirpath)!r} (expected model.safetensors and config.yaml "
                                 f"there): create it with `{hint}`, or point the config at an existing folder")
-    net = instantiate(OmegaConf.load(dirpath / "config.yaml"))
-    net.load_state_dict(load_file(str(dirpath / "model.safetensors"), device=str(map_location)))
+    net = build(OmegaConf.to_container(OmegaConf.load(dirpath / "config.yaml"), resolve=True))
+    weights = dirpath / "model.safetensors"
+    try:
+        state = load_file(str(weights), device=str(map_location))
+    except SafetensorError as err:
+        raise ValueError(f"{str(weights)!r} is not a complete safetensors file ({err}): it is truncated or "
+                         f"corrupted. Export it again (`{hint}`), or, for a shipped model, restore it "
+                         f"(`git checkout -- checkpoints/{dirpath.name}`, or download the repository again)") from err
+    net.load_state_dict(state)
     extra = dirpath / "extra.json"
     if extra.is_file() and hasattr(net, "backbone_id"):  # drafters: the backbone they were distilled from
         net.backbone_id = json.loads(extra.read_text()).get("backbone_id", "") or net.backbone_id
