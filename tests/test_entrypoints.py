@@ -8,6 +8,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from helpers import compose_cfg
+from specgen.evaluation.geneval import TASKS
 from specgen.utils.hydra import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml"))
@@ -26,7 +27,7 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
     if exp.startswith("ar"):
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
-              "module.val_geneval.prompts_per_task=1", "module.val_geneval.samples=1"]
+              "callbacks.val_geneval.prompts_per_task=1", "callbacks.val_geneval.samples=1"]
     elif exp in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes"):  # drafters distilled from the tiny exported backbone
         o = [f"experiment={exp}", f"data.backbone_dir={exports / 'ar'}", f"data.tokenizer_dir={exports / 'vq'}",
              "data.shard_size=4", "data.sample_batch=4", "data.train_shards=1", "data.batch_size=2",
@@ -86,7 +87,8 @@ def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
     """Every LightningModule trains and validates one batch (both row layouts of the backbone)."""
     from specgen.train import train
 
-    cfg = compose_cfg("train", _tiny_train(exp, tiny_exports) + extra + ["debug=fast_dev_run"], tmp_path)
+    base = [o for o in _tiny_train(exp, tiny_exports) if "val_geneval" not in o]  # the debug preset drops callbacks
+    cfg = compose_cfg("train", base + extra + ["debug=fast_dev_run"], tmp_path)
     metrics = train(cfg)
     assert metrics["train/loss"] > 0
 
@@ -98,7 +100,10 @@ def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_e
         "trainer.val_check_interval=1", "callbacks.model_checkpoint.every_n_train_steps=2",
         "export_name=export", "logger=wandb"]
     cfg = compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path)
-    train(cfg)
+    metrics = train(cfg)
+    # the GenEval callback scored the backbone's samples at each validation: 6 tasks x 1 prompt x 1 sample
+    assert {f"val/geneval/{t}" for t in TASKS} <= set(metrics) and 0 <= metrics["val/geneval_overall"] <= 1
+    assert metrics["val/geneval_overall"] == pytest.approx(sum(metrics[f"val/geneval/{t}"] for t in TASKS) / 6)
     out = Path(cfg.paths.output_dir)
     assert (out / "checkpoints" / "last.ckpt").is_file()
     assert list((out / "wandb").glob("offline-run-*"))
@@ -286,7 +291,7 @@ def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_export
     shards = sorted((tmp_path / "data" / "shapes_tokens").rglob("*.npz"))
     assert [p.name for p in shards] == ["train_00000.npz", "val_00000.npz"]
     assert not (tmp_path / "out" / "checkpoints").exists()
-    from specgen.modules.data import example
+    from specgen.world.dataset import example
     from specgen.utils.checkpoints import load_exported
 
     a = np.load(shards[0])
@@ -302,7 +307,7 @@ def test_shards_past_the_first_and_a_task_mixture(tmp_path, tiny_exports):
     (validation keeps the default mixture's) and its examples follow the weights."""
     import numpy as np
 
-    from specgen.modules.data import example
+    from specgen.world.dataset import example
     from specgen.train import train
 
     over = _tiny_train("ar_shapes_train", tiny_exports) + [

@@ -31,7 +31,7 @@ def test_eval_writes_flat_metrics_and_reuses_cached_images(tmp_path, tiny_export
     assert on_disk["ar/speed/nfe"] == 256  # 16x16 grid: one pass per visual token
     assert (out / "grid.png").is_file() and (out / "results.csv").is_file()
     assert (out / "geneval_samples" / "00000" / "samples" / "0000.png").is_file()
-    from specgen.evaluation.geneval_report import read_results, report
+    from specgen.analysis.geneval_report import read_results, report
 
     table = {r["task"]: r for r in report(read_results(out), [None], resamples=50)}
     assert {r["sample"] for r in read_results(out / "results.csv")} == {0}  # one sample per prompt
@@ -365,7 +365,7 @@ def _results_csv(path, rows, with_sample=True):
 
 
 def test_geneval_report_scores_the_first_k_samples_and_resamples_prompts(tmp_path, capsys):
-    from specgen.evaluation.geneval_report import main, prompt_bootstrap, read_results, report
+    from specgen.analysis.geneval_report import main, prompt_bootstrap, read_results, report
 
     # colours: prompt a hits 4 of its first 4 and fails its next 2; prompt b fails its first, hits the rest
     pattern = {"a red circle": [1, 1, 1, 1, 0, 0], "a blue square": [0, 1, 1, 1, 1, 1]}

@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specgen.modules.data import example
+from specgen.world.dataset import example
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIP = ROOT / "checkpoints" / "clip_shapes" / "model.safetensors"

@@ -1,15 +1,13 @@
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from specgen.modules.data import ShapesImages
-from specgen.modules.vq_module import psnr
+from specgen.evaluation.reconstruction import objects_recovered, psnr
 from specgen.tokenizers.vq import VQAutoencoder
 from specgen.utils.checkpoints import load_exported
 from specgen.utils.hydra import repo_root
-from specgen.world import Scene, match_scene, parse
+from specgen.world.dataset import ShapesImages
 
 SHIPPED = Path(repo_root()) / "checkpoints" / "vq_shapes"
 
@@ -24,10 +22,7 @@ def test_shipped_tokenizer_round_trip():
     rec = vq.decode(codes)
     rec_u8 = (rec * 255).round().to(torch.uint8)
     assert psnr(rec_u8.float() / 255, x.float() / 255).mean() > 26.0
-    matched = total = 0
-    for it, img in zip(items, rec_u8):
-        m, n, _ = match_scene(Scene.from_dict(json.loads(it["scene"])), parse(img.permute(1, 2, 0).numpy()), 64)
-        matched, total = matched + m, total + n
+    matched, total = objects_recovered(rec_u8, [it["scene"] for it in items], 64)
     assert matched / total >= 0.95
     assert torch.equal(vq.encode(rec_u8), vq.encode(rec_u8))  # deterministic
 

@@ -26,7 +26,7 @@ if [ "$SMOKE" = 1 ]; then  # own checkpoint and data folders: the shipped models
   TOK="data.shard_size=64 data.train_shards=1 data.encode_batch=32"
   DIST="data.shard_size=8 data.train_shards=1 data.sample_batch=8 data.batch_size=4"
   IMG="data.val_size=8 data.batch_size=8"
-  VAL="module.val_geneval.prompts_per_task=1 module.val_geneval.samples=1"
+  VAL="callbacks.val_geneval.prompts_per_task=1 callbacks.val_geneval.samples=1"
 else
   COMMON="trainer=gpu logger=csv callbacks.progress.refresh_rate=500 trainer.max_steps=100000"
   TOK="data.train_shards=16 data.render_workers=6 data.batch_size=128"

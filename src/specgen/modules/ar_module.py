@@ -1,4 +1,5 @@
-"""LightningModule that trains the embedded AR backbone (next-token loss on visual tokens, prompt dropout)."""
+"""LightningModule that trains the embedded AR backbone (next-token loss on visual tokens, prompt dropout).
+Sampled GenEval scores during training come from a callback (`specgen.modules.callbacks.ValGenEval`)."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,7 @@ from specgen.utils.validate import expect_float, expect_int
 
 class ARModule(L.LightningModule):
     def __init__(self, net: ShapesLlama, lr: float = 1e-3, weight_decay: float = 0.05, warmup_steps: int = 500,
-                 prompt_dropout: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-                 val_geneval: dict | None = None):
+                 prompt_dropout: float = 0.1, betas: tuple[float, float] = (0.9, 0.95)):
         super().__init__()
         expect_float("module.lr", lr, 0.0)
         expect_float("module.prompt_dropout", prompt_dropout, 0.0, 1.0)
@@ -48,27 +48,6 @@ class ARModule(L.LightningModule):
         n = len(batch["prompt"])
         self.log("val/loss", self.loss(self.sequences(batch)), prog_bar=True, batch_size=n)
         self.log("val/loss_uncond", self.loss(self.sequences(batch, drop=1.0)), batch_size=n)
-
-    def on_validation_epoch_end(self):
-        """Sample a few validation prompts and score them with the parser (GenEval rules)."""
-        spec = self.hparams.val_geneval
-        if not spec or self.trainer.sanity_checking:
-            return
-        from specgen.decoding import ar
-        from specgen.decoding.sampling import make_generators
-        from specgen.evaluation.benchmarks import GenEval
-        from specgen.utils.checkpoints import load_exported
-
-        if self.__dict__.get("_val_tokenizer") is None:  # not a submodule: stays out of checkpoints
-            self.__dict__["_val_tokenizer"] = load_exported(spec["tokenizer_dir"], self.device)
-        bench = GenEval(split="val", prompts_per_task=spec["prompts_per_task"], samples_per_prompt=spec["samples"])
-        jobs = bench.jobs(seed=0)
-        codes, _ = ar.generate(self.net, self.net.prompt_ids([j.prompt for j in jobs]), cfg_scale=spec["cfg_scale"],
-                               generators=make_generators([j.seed for j in jobs], self.device))
-        images = (self._val_tokenizer.decode(codes).float() * 255).round().to(torch.uint8)
-        scores, _ = bench.score(jobs, list(images.permute(0, 2, 3, 1).cpu().numpy()))
-        self.log_dict({f"val/geneval/{k}": v for k, v in scores.items()}, prog_bar=False)
-        self.log("val/geneval_overall", scores["overall"], prog_bar=True)
 
     def configure_optimizers(self):
         decay = [p for p in self.net.parameters() if p.ndim >= 2]  # no weight decay on norms and biases

@@ -1,13 +1,20 @@
-"""Lightning callbacks: export the trained network with its config, metrics and command."""
+"""Lightning callbacks: export the trained network with its config, metrics and command; fit a run into a time
+budget; score a backbone's samples on GenEval at each validation."""
 from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from specgen.utils.checkpoints import export
+from specgen.decoding import ar
+from specgen.decoding.sampling import make_generators
+from specgen.evaluation.benchmarks import GenEval
+from specgen.utils.checkpoints import export, load_exported
 
 
 class ExportModel(L.Callback):
@@ -42,8 +49,6 @@ class ExportModel(L.Callback):
 
 def _command() -> str:
     """The command that launched this run (the Hydra overrides when run through an entry point)."""
-    from hydra.core.hydra_config import HydraConfig
-
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     prog = f"python -m {spec.name}" if spec is not None else f"python {sys.argv[0]}"
@@ -77,8 +82,6 @@ class TimeBudget(L.Callback):
     @staticmethod
     def clock() -> float:
         """Wall-clock seconds (a method, so that tests can drive the callback with a simulated clock)."""
-        import time
-
         return time.perf_counter()
 
     def on_train_start(self, trainer, pl_module):
@@ -105,3 +108,33 @@ class TimeBudget(L.Callback):
         if now - self._t0 > self.seconds:
             print(f"[time budget] {self.seconds:.0f} s spent at step {trainer.global_step}: stopping", flush=True)
             trainer.should_stop = True
+
+
+class ValGenEval(L.Callback):
+    """At each validation, sample validation prompts with the AR backbone being trained (plain AR decoding) and
+    log their GenEval scores (`val/geneval/<task>`, `val/geneval_overall`) by the world's exact parser.
+    The tokenizer that decodes the samples is held here, so it never enters the module or its checkpoints."""
+
+    def __init__(self, tokenizer_dir: str, prompts_per_task: int = 3, samples: int = 2, cfg_scale: float = 2.0):
+        self.tokenizer_dir, self.cfg_scale = tokenizer_dir, cfg_scale
+        self.bench = GenEval(split="val", prompts_per_task=prompts_per_task, samples_per_prompt=samples)
+        self._tokenizer = None
+
+    @torch.no_grad()
+    def scores(self, backbone, device) -> dict[str, float]:
+        """GenEval task scores of the backbone's samples of the validation prompts."""
+        if self._tokenizer is None:
+            self._tokenizer = load_exported(self.tokenizer_dir, device)
+        jobs = self.bench.jobs(seed=0)
+        codes, _ = ar.generate(backbone, backbone.prompt_ids([j.prompt for j in jobs]), cfg_scale=self.cfg_scale,
+                               generators=make_generators([j.seed for j in jobs], device))
+        images = (self._tokenizer.to(device).decode(codes).float() * 255).round().to(torch.uint8)
+        scores, _ = self.bench.score(jobs, list(images.permute(0, 2, 3, 1).cpu().numpy()))
+        return scores
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if trainer.sanity_checking:
+            return
+        scores = self.scores(pl_module.net, pl_module.device)
+        pl_module.log_dict({f"val/geneval/{k}": v for k, v in scores.items()}, prog_bar=False)
+        pl_module.log("val/geneval_overall", scores["overall"], prog_bar=True)

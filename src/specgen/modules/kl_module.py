@@ -5,8 +5,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from specgen.evaluation.reconstruction import psnr
 from specgen.modules.schedules import adamw_warmup_cosine
-from specgen.modules.vq_module import psnr
 from specgen.tokenizers.kl import KLAutoencoder
 from specgen.utils.validate import expect_float
 

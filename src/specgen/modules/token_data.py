@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from specgen.modules.data import example
 from specgen.utils.checkpoints import atomic_savez, load_exported, missing_shards
 from specgen.utils.validate import expect_float, expect_int
+from specgen.world.dataset import example
 from specgen.world.prompts import ALL_TAGS
 
 

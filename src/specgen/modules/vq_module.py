@@ -1,23 +1,15 @@
 """LightningModule that trains the VQ tokenizer on shapes-world images."""
 from __future__ import annotations
 
-import json
-
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specgen.evaluation.reconstruction import objects_recovered, psnr
 from specgen.modules.schedules import adamw_warmup_cosine
-from specgen.utils.validate import expect_float, expect_int
 from specgen.tokenizers.vq import VQAutoencoder
-from specgen.world import Scene, match_scene, parse
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-image PSNR (dB) of images in [0, 1], (B, 3, H, W)."""
-    mse = (a - b).pow(2).flatten(1).mean(1).clamp_min(1e-10)
-    return 10 * torch.log10(1.0 / mse)
+from specgen.utils.validate import expect_float, expect_int
 
 
 class VQModule(L.LightningModule):
@@ -47,11 +39,7 @@ class VQModule(L.LightningModule):
         x = batch["image"].float() / 255.0
         rec = self.net.decode(self.net.encode(batch["image"]))
         rec_u8 = (rec * 255).round().to(torch.uint8)
-        matched = total = 0
-        for img, scene in zip(rec_u8, batch["scene"]):
-            m, n, _ = match_scene(Scene.from_dict(json.loads(scene)), parse(img.permute(1, 2, 0).cpu().numpy()),
-                                  self.net.image_size)
-            matched, total = matched + m, total + n
+        matched, total = objects_recovered(rec_u8, batch["scene"], self.net.image_size)
         self.log("val/psnr", psnr(rec_u8.float() / 255.0, x).mean(), prog_bar=True)
         self.log("val/parser_acc", matched / max(total, 1), prog_bar=True)
         if batch_idx == 0:

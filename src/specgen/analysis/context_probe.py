@@ -9,8 +9,8 @@ for the prompt and for the null condition. A model that uses its context explain
 are known; equal rows mean the context is ignored. For scale, `neighbours` is a context-only estimate with
 no model: the mean of a masked token's known 4-neighbours (the background latent when it has none).
 
-    python -m specgen.evaluation.context_probe --backbone checkpoints/mar_p2_shapes \
-        --out logs/context_probe/mar_p2.json [--losses]
+    python -m specgen.analysis.context_probe --backbone checkpoints/mar_p2_shapes \
+        --tokenizer checkpoints/kl_shapes --out logs/context_probe/mar_p2.json [--losses]
 
 `--losses` adds the training loss by timestep with every token masked (`timestep_losses`).
 """
@@ -24,12 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specgen.utils.checkpoints import atomic_write_text, load_exported
+from specgen.world.prompts import sample_example
+from specgen.world.render import render
+
 
 def scenes(backbone, tokenizer, num_images: int, seed: int):
     """Validation scenes of the shapes world: their model tokens (B, L, d), the prompt and null conditions."""
-    from specgen.world.prompts import sample_example
-    from specgen.world.render import render
-
     rng = random.Random(seed)
     examples = [sample_example(rng, "val") for _ in range(num_images)]
     images = torch.tensor(np.stack([render(s) for _, s in examples])).permute(0, 3, 1, 2).float() / 255
@@ -106,12 +107,10 @@ def neighbour_mean(x0: torch.Tensor, mask: torch.Tensor, background: torch.Tenso
     return torch.where((count.flatten(2).transpose(1, 2) > 0), est, background.expand(B, L, d))
 
 
-def main(argv=None):
-    from specgen.utils.checkpoints import atomic_write_text, load_exported
-
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backbone", required=True, help="exported MAR-style backbone folder")
-    p.add_argument("--tokenizer", default="checkpoints/kl_shapes")
+    p.add_argument("--tokenizer", required=True, help="its KL tokenizer folder (e.g. checkpoints/kl_shapes)")
     p.add_argument("--images", type=int, default=64)
     p.add_argument("--out", required=True, help="JSON file for the results")
     p.add_argument("--losses", action="store_true", help="also the loss by timestep (epsilon and x0 MSE)")
@@ -142,6 +141,8 @@ def main(argv=None):
         for cond in ("prompt", "null"):
             for kind in ("eps_mse", "x0_mse"):
                 print(f"{cond + ' ' + kind:<18}" + "".join(f"{losses[f'{cond}/{t}/{kind}']:>9.4f}" for t in ts))
+    return res
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Reconstruction report of an exported VQ tokenizer on held-out shapes-world scenes.
 
-    python -m specgen.evaluation.tokenizer_report checkpoints/vq_shapes [--n 512] [--write]
+    python -m specgen.analysis.tokenizer_report checkpoints/vq_shapes [--n 512] [--write]
 
 Prints PSNR and parser accuracy (objects recovered from reconstructions) for plain and textured
 scenes; `--write` merges the numbers into the folder's metrics.json under `report/`.
@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-from specgen.modules.data import ShapesImages
-from specgen.modules.vq_module import psnr
+from specgen.evaluation.reconstruction import objects_recovered, psnr
 from specgen.utils.checkpoints import atomic_write_text, load_exported
-from specgen.world import Scene, match_scene, parse
+from specgen.world.dataset import ShapesImages
 
 
 @torch.no_grad()
@@ -28,13 +27,12 @@ def report(tokenizer, n: int = 512, batch: int = 64) -> dict[str, float]:
         for start in range(0, n, batch):
             items = [ds[i] for i in range(start, min(start + batch, n))]
             x = torch.stack([it["image"] for it in items])
+            scenes = [it["scene"] for it in items]
             rec = (tokenizer.decode(tokenizer.encode(x)) * 255).round().to(torch.uint8)
             psnrs.append(psnr(rec.float() / 255, x.float() / 255))
-            for it, img, clean in zip(items, rec, x):
-                scene = Scene.from_dict(json.loads(it["scene"]))
-                m, t, _ = match_scene(scene, parse(img.permute(1, 2, 0).numpy()), tokenizer.image_size)
-                mc, _, _ = match_scene(scene, parse(clean.permute(1, 2, 0).numpy()), tokenizer.image_size)
-                matched, total, found_clean = matched + m, total + t, found_clean + mc
+            m, t = objects_recovered(rec, scenes, tokenizer.image_size)
+            matched, total, found_clean = matched + m, total + t, found_clean + objects_recovered(
+                x, scenes, tokenizer.image_size)[0]
         out[f"report/{texture}/psnr"] = float(torch.cat(psnrs).mean())
         out[f"report/{texture}/parser_acc_reconstructed"] = matched / total
         out[f"report/{texture}/parser_acc_rendered"] = found_clean / total
@@ -42,12 +40,12 @@ def report(tokenizer, n: int = 512, batch: int = 64) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", help="exported tokenizer folder, e.g. checkpoints/vq_shapes")
     ap.add_argument("--n", type=int, default=512, help="held-out scenes per texture")
     ap.add_argument("--write", action="store_true", help="merge the numbers into <dir>/metrics.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     metrics = report(load_exported(args.dir), args.n)
     for k, v in metrics.items():
         print(f"{k:<45} {v:.4f}")
@@ -55,6 +53,7 @@ def main() -> None:
         path = Path(args.dir) / "metrics.json"
         old = json.loads(path.read_text()) if path.is_file() else {}
         atomic_write_text(path, json.dumps({**old, **metrics}, indent=2, sort_keys=True) + "\n")
+    return metrics
 
 
 if __name__ == "__main__":

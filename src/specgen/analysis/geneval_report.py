@@ -1,6 +1,6 @@
 """GenEval task scores of a finished run at several sample counts, with image- and prompt-level intervals.
 
-    python -m specgen.evaluation.geneval_report <run>/results.csv [--samples 4 7 20] [--out report.csv]
+    python -m specgen.analysis.geneval_report <run>/results.csv [--samples 4 7 20] [--out report.csv]
 
 A GenEval score is a mean over prompts and over samples of each prompt. With few samples per prompt the
 sampling noise of the images dominates (one image of 96 moves a task score by 0.01); with few prompts, the
