@@ -74,10 +74,16 @@ def test_export_writes_no_absolute_path(tmp_path):
     cfg = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 2}
     inside = REPO_ROOT / "checkpoints" / "ar_shapes"
     export(tmp_path / "d", net, cfg, extra={"backbone_dir": str(tmp_path / "runs" / "ar"), "shipped": str(inside),
-                                            "relative": "checkpoints/x", "nested": [str(tmp_path / "a"), 3]})
+                                            "relative": "checkpoints/x", "nested": [str(tmp_path / "a"), 3]},
+           metrics={"averaged_from": [str(inside), str(tmp_path / "m1")], "loss": 0.5},
+           command=f"python -m specgen.train init_from={inside} hydra.run.dir={tmp_path}/run0 data.x=1")
     extra = json.loads((tmp_path / "d" / "extra.json").read_text())
     assert extra == {"backbone_dir": "ar", "shipped": "checkpoints/ar_shapes", "relative": "checkpoints/x",
                      "nested": ["a", 3]}
+    metrics = json.loads((tmp_path / "d" / "metrics.json").read_text())
+    assert metrics == {"averaged_from": ["checkpoints/ar_shapes", "m1"], "loss": 0.5}
+    assert (tmp_path / "d" / "command.txt").read_text() == ("python -m specgen.train init_from=checkpoints/ar_shapes "
+                                                            "hydra.run.dir=run0 data.x=1\n")
     assert portable_path("/somewhere/else/mtp") == "mtp"
 
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from specgen.utils.checkpoints import export, stored_weights_dtype
+from specgen.utils.checkpoints import build, export, stored_weights_dtype
 
 
 def _read(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -65,10 +65,8 @@ def average_exports(inputs: list[str | Path], out: str | Path, weights: list[flo
                 if not torch.equal(s[key], first):
                     raise ValueError(f"non-float tensor {key!r} differs between {str(inputs[0])!r} and {str(p)!r}")
             mean[key] = first
-    from hydra.utils import instantiate
-
     cfg = OmegaConf.create(configs[0])
-    net = instantiate(cfg)
+    net = build(OmegaConf.to_container(cfg))
     net.load_state_dict(mean)
     extra = extras.pop()
     command = ("python -m specgen.utils.average --out " + shlex.quote(str(out)) + " "

@@ -80,8 +80,9 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
 
     `weights_dtype="float16"` stores fp32 *parameters* in half precision (half the size on disk;
     they load back into the fp32 module); buffers (e.g. diffusion schedules) keep their dtype.
-    Absolute paths among `extra`'s values are never written (a folder that moves to another machine, or into
-    the repository, must carry no path of the machine that wrote it): see `portable_path`.
+    No absolute path is written (a folder that moves to another machine, or into the repository, must carry no
+    path of the machine that wrote it): path strings in `metrics` and `extra`, and path arguments of `command`
+    (`key=/abs/path` or a bare `/abs/path`), become `portable_path`s.
     """
     if weights_dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"weights_dtype={weights_dtype!r}: use float32, float16 or bfloat16")
@@ -100,9 +101,9 @@ def export(dirpath: str | Path, net: torch.nn.Module, net_cfg: DictConfig | dict
                            else net_cfg)
     atomic_write_text(dirpath / "config.yaml", OmegaConf.to_yaml(cfg))
     if metrics is not None:
-        atomic_write_text(dirpath / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(dirpath / "metrics.json", json.dumps(_portable(metrics), indent=2, sort_keys=True) + "\n")
     if command is not None:
-        atomic_write_text(dirpath / "command.txt", command.strip() + "\n")
+        atomic_write_text(dirpath / "command.txt", portable_command(command).strip() + "\n")
     if extra is not None:
         atomic_write_text(dirpath / "extra.json", json.dumps(_portable(extra), indent=2,
                                                              sort_keys=True) + "\n")
@@ -117,6 +118,15 @@ def portable_path(path: str) -> str:
         return path
     resolved = Path(path).resolve()
     return str(resolved.relative_to(REPO_ROOT)) if resolved.is_relative_to(REPO_ROOT) else resolved.name
+
+
+def portable_command(command: str) -> str:
+    """`command` with each absolute path argument (`/a/b` or `key=/a/b`) made `portable_path`."""
+    def word(w: str) -> str:
+        key, eq, value = w.rpartition("=") if "=" in w else ("", "", w)
+        return key + eq + portable_path(value) if os.path.isabs(value) else w
+
+    return "\n".join(" ".join(word(w) for w in line.split(" ")) for line in command.split("\n"))
 
 
 def _portable(value):

@@ -18,14 +18,12 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from specgen.utils.checkpoints import export, stored_weights_dtype
+from specgen.utils.checkpoints import build, export, stored_weights_dtype
 
 
 def ckpt_to_export(ckpt: str | Path, like: str | Path, out: str | Path, prefix: str = "net") -> Path:
     """Write the network `prefix` of the Lightning checkpoint `ckpt` as an exported folder `out`, built from
     the config of the exported folder `like`; returns `out`."""
-    from hydra.utils import instantiate
-
     ckpt, like, out = Path(ckpt), Path(like), Path(out)
     if not ckpt.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(ckpt)!r}: give a .ckpt from a run's checkpoints/ folder "
@@ -43,7 +41,7 @@ def ckpt_to_export(ckpt: str | Path, like: str | Path, out: str | Path, prefix: 
         raise ValueError(f"--prefix {prefix!r}: the checkpoint has no tensors under it (it has {found}); "
                          f"pick one of those")
     cfg = OmegaConf.load(like / "config.yaml")
-    net = instantiate(cfg)
+    net = build(OmegaConf.to_container(cfg))
     try:
         net.load_state_dict(net_state)
     except RuntimeError as e:
