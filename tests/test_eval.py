@@ -123,12 +123,28 @@ def test_continuous_backbone_and_cspd_through_the_entry_point(tmp_path, tiny_exp
 def test_unknown_strategy_lists_the_known_ones(tmp_path):
     from hydra.errors import MissingConfigException
 
-    from specgen.decoding import get
-
     with pytest.raises(MissingConfigException, match=r"(?s)decoding/warp.*ssd"):
         compose_cfg("eval", ["decoding=warp"], tmp_path)
-    with pytest.raises(ValueError, match="unknown decoding strategy 'warp': known strategies are ar, ssd"):
-        get("warp")
+
+
+def test_every_decoding_config_names_a_strategy_of_the_decoding_package(tmp_path):
+    """configs/decoding/ is the list of strategies: each names a `generate` of specgen.decoding and options it takes."""
+    import importlib
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from specgen.utils.hydra import CONFIG_DIR
+
+    names = sorted(p.stem for p in Path(CONFIG_DIR, "decoding").glob("*.yaml"))
+    assert {"ar", "ssd", "sjd", "zipar", "mtp1d", "specdec", "mar", "cspd"} <= set(names)
+    for name in names:
+        fn = OmegaConf.to_container(compose_cfg("eval", [f"decoding={name}"], tmp_path).decoding.fn, resolve=True)
+        module, _, attr = fn.pop("_target_").rpartition(".")
+        assert module.startswith("specgen.decoding.") and attr == "generate", name
+        params = inspect.signature(getattr(importlib.import_module(module), attr)).parameters
+        unknown = {k for k in fn if not k.startswith("_")} - set(params)
+        assert not unknown, f"decoding={name} sets options its generate does not take: {unknown}"
 
 
 def test_collect_turns_a_sweep_folder_into_one_table(tmp_path):

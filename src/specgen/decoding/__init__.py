@@ -1,17 +1,18 @@
-"""Decoding strategies: tensors in, tensors out, one file per algorithm, one signature:
+"""Decoding strategies: tensors in, tensors out, one file per algorithm (shared pieces: `sampling`, `state`,
+`spec1d`, `cspd_core`). Strategies are chosen by config (`configs/decoding/<name>.yaml` names the function and
+binds its options); there is no registry in code.
 
-    generate(backbone, prompt_ids, [drafter,] cfg_scale=..., temperature=..., top_k=..., generators=..., **options)
-        -> (codes (B, H, W), stats)
+Two call shapes, one per backbone family, and one result shape:
+
+    discrete (ar, ssd, sjd, zipar, mtp1d, specdec), over `backbones.protocol.DiscreteBackbone`:
+        generate(backbone, prompt_ids (B, P), [drafter,] cfg_scale=, temperature=, top_k=, generators=, **options)
+            -> (codes (B, H, W), stats)
+    continuous (mar, cspd), over a MAR-style backbone:
+        generate(backbone, prompts: list[str], generators, [draft,] num_iter=, cfg_scale=, **options)
+            -> (tokens (B, L, d), stats)
+
+Both are called as `fn(backbone, backbone.prompt_ids(prompts), generators=...)` by the evaluation runner (a
+MAR-style backbone's `prompt_ids` returns the prompts) and decoded by `backbone.decode`. `stats` is a dict of
+per-image statistics, each a number for the batch or a (B,) tensor (`nfe`, acceptance counts, ...);
+`evaluation.generate` splits it per image.
 """
-from __future__ import annotations
-
-import importlib
-
-STRATEGIES = ("ar", "ssd", "sjd", "zipar", "mtp1d", "specdec")
-
-
-def get(name: str):
-    """The `generate` function of a strategy by name."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown decoding strategy {name!r}: known strategies are {', '.join(STRATEGIES)}")
-    return importlib.import_module(f"specgen.decoding.{name}").generate
