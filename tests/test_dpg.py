@@ -66,6 +66,18 @@ def test_question_csv_reader_and_official_first_row_quirk(tmp_path):
         read_questions(bad)
 
 
+def test_an_empty_prompt_folder_or_file_is_refused_by_name(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    with pytest.raises(ValueError, match=r"prompts' holds no <item_id>.txt files"):
+        read_prompts(tmp_path / "prompts")
+    (tmp_path / "prompts" / "a.txt").write_text("a red circle\n")
+    (tmp_path / "prompts" / "b.txt").write_text("  \n")
+    with pytest.raises(ValueError, match=r"prompts/b.txt'\] are empty"):
+        read_prompts(tmp_path / "prompts")
+    (tmp_path / "prompts" / "b.txt").write_text("two squares")
+    assert read_prompts(tmp_path / "prompts") == {"a": "a red circle", "b": "two squares"}
+
+
 def test_official_prompt_folder_reads():
     if not SHARED.is_dir():
         pytest.skip("reference copy of the DPG-Bench prompts not present")

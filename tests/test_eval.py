@@ -89,6 +89,20 @@ def test_official_metadata_parses_and_bad_files_name_the_line(tmp_path):
         read_metadata(tmp_path / "missing.jsonl")
 
 
+def test_an_empty_metadata_file_or_no_prompts_is_refused_before_generating(tmp_path, tiny_exports):
+    """An empty metadata file used to generate nothing and then crash in speed_metrics (IndexError)."""
+    from specgen.eval import evaluate as run_eval
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl' holds no prompts \(it is empty\)"):
+        read_metadata(empty)
+    with pytest.raises(ValueError, match=r"empty.jsonl' holds no prompts"):
+        run_eval(_eval_cfg(tmp_path / "a", tiny_exports, [f"+benchmark.geneval.metadata_file={empty}"]))
+    with pytest.raises(ValueError, match=r"the benchmarks \['geneval'\] ask for no images"):
+        run_eval(_eval_cfg(tmp_path / "b", tiny_exports, ["benchmark.geneval.prompts_per_task=0"]))
+
+
 def test_other_strategies_run_through_the_same_entry_point(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 

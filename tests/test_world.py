@@ -84,6 +84,19 @@ def test_unknown_words_name_the_word_and_the_fix():
         scene_for({"tag": "single_object", "include": [{"class": "hexagon", "count": 1}]}, random.Random(0))
 
 
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_an_empty_prompt_is_refused_not_made_unconditional(prompt):
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.backbones.shapes_llama import ShapesLlama
+
+    with pytest.raises(ValueError, match=r"empty prompt.*cfg_scale=0"):
+        tokenize_words(prompt)
+    with pytest.raises(ValueError, match="empty prompt"):
+        ShapesLlama(num_codes=16, grid_size=4, preset="tiny").prompt_ids(["a red circle", prompt])
+    with pytest.raises(ValueError, match="empty prompt"):
+        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", sample_steps=2).prompt_ids([prompt])
+
+
 def test_renderer_is_deterministic_and_textured_differs():
     _, scene = sample_example(random.Random(5))
     a, b = render(scene, 64, "textured", seed=3), render(scene, 64, "textured", seed=3)

@@ -51,7 +51,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
              temperature: float = 1.0, top_k: int | None = None, generators=None):
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
-    check_drafter(backbone, drafter)
+    check_drafter(backbone, drafter, ("ahead_1",))  # heads, not a right/down (SSD) drafter
     run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     stats = speculate(run, _head_drafter(drafter), window=drafter.num_heads + 1)
     return run.codes(), stats

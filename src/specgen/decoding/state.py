@@ -10,22 +10,38 @@ from specgen.utils.validate import expect_float
 
 def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = ()) -> None:
     """A drafter must fit the backbone it serves: same width, distilled from the same weights (hence the
-    same token layout and row stride), and it must predict the offsets the decoder asks for."""
+    same token layout and row stride), and it must predict the offsets the decoder asks for. Errors name the
+    drafter's kind and the experiment that distils the right one."""
+    have = getattr(drafter, "directions", None)
+    if have and all(d.startswith("ahead_") for d in have):
+        kind, experiment = "an MTP checkpoint (1D multi-token heads)", "mtp_shapes"
+    elif getattr(drafter, "predicts", "hidden") == "tokens":
+        kind, experiment = "a token-id drafter (the f_phi ablation)", "fphi_tokens_shapes"
+    else:
+        kind, experiment = "an f_phi (SSD) drafter", "fphi_shapes"
+    retrain = f"python -m specgen.train experiment={experiment} data.backbone_dir=<backbone folder>"
     width = getattr(drafter, "hidden_size", None)
     if width is not None and width != backbone.hidden_size:
-        raise ValueError(f"the drafter works on hidden states of width {width} but the backbone's are "
-                         f"{backbone.hidden_size}: distil a drafter for this backbone "
-                         f"(python -m specgen.train experiment=fphi_shapes data.backbone_dir=<backbone folder>)")
+        raise ValueError(f"the drafter ({kind}) works on hidden states of width {width} but the backbone's are "
+                         f"{backbone.hidden_size}: distil one for this backbone ({retrain})")
     trained_on, using = getattr(drafter, "backbone_id", ""), getattr(backbone, "identity", "")
     if trained_on and using and not using.startswith(trained_on):
-        raise ValueError(f"the drafter was distilled from backbone weights {trained_on!r} but the backbone in use is "
-                         f"{using.split('-')[0]!r} (another model, or another row layout): distil it again on this "
-                         f"backbone (python -m specgen.train experiment=fphi_shapes data.backbone_dir=<backbone folder>)")
-    have = getattr(drafter, "directions", None)
+        raise ValueError(f"the drafter ({kind}) was distilled from backbone weights {trained_on!r} but the backbone "
+                         f"in use is {using.split('-')[0]!r} (another model, or another row layout): distil it again "
+                         f"on this backbone ({retrain})")
     missing = [d for d in needs if have is not None and d not in have]
-    if missing:
-        raise ValueError(f"this decoder drafts {list(needs)} but the drafter predicts only {list(have)}: "
-                         f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
+    if not missing:
+        return
+    if experiment == "mtp_shapes":  # 1D heads where SSD's right/down drafter belongs
+        raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not an SSD drafter: decode with it "
+                         f"as decoding=mtp1d, or give this decoder an f_phi folder (checkpoints/fphi_shapes; "
+                         f"python -m specgen.train experiment=fphi_shapes)")
+    if all(d.startswith("ahead_") for d in needs):  # an SSD drafter where multi-token heads belong
+        raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not multi-token heads: decode with it "
+                         f"as decoding=ssd, or give decoding=mtp1d an MTP folder (checkpoints/mtp_shapes; "
+                         f"python -m specgen.train experiment=mtp_shapes)")
+    raise ValueError(f"this decoder drafts {list(needs)} but the drafter predicts only {list(have)}: "
+                     f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
 
 
 class SpecState:

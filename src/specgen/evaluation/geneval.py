@@ -133,6 +133,9 @@ def read_metadata(path: str | Path) -> list[dict]:
         if missing:
             raise ValueError(f"{path}:{lineno}: GenEval metadata lacks {missing}; expected keys tag, include, prompt")
         out.append(meta)
+    if not out:
+        raise ValueError(f"GenEval metadata file {str(path)!r} holds no prompts (it is empty): pass the "
+                         f"evaluation_metadata.jsonl of the GenEval repository, one JSON object per line")
     return out
 
 

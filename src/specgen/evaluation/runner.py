@@ -50,6 +50,10 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
     unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
+    if not unique:
+        raise ValueError(f"the benchmarks {[b.name for b in benchmarks]} ask for no images (no prompts, or zero "
+                         f"samples per prompt): check their prompt files and counts, or run with benchmark=none "
+                         f"and a speed section for speed alone")
     fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
     cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
     log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)

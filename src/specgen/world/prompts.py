@@ -180,8 +180,12 @@ WORDS = _words()  # the closed prompt vocabulary, in a fixed order
 
 
 def tokenize_words(prompt: str) -> list[str]:
-    """Split a prompt into vocabulary words; raise a clear error on any unknown word."""
+    """Split a prompt into vocabulary words; raise a clear error on any unknown word and on an empty prompt."""
     words = prompt.lower().replace(",", " , ").replace(".", " . ").split()
+    if not words:  # it would silently become the unconditional prompt (the backbone's empty slot)
+        raise ValueError(f"empty prompt {prompt!r}: give a description (e.g. 'a photo of a red circle'); for "
+                         f"unconditional samples keep a prompt and set cfg_scale=0 (guidance then follows only the "
+                         f"backbone's null prompt)")
     known = set(WORDS)
     for w in words:
         if w not in known:
