@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from specgen.backbones.protocol import TokenGrid
 from specgen.world.prompts import WORDS, tokenize_words
@@ -82,7 +82,11 @@ class ShapesLlama(nn.Module):
         h = self.model.model(input_ids=ids, use_cache=False).last_hidden_state  # pre-norm (B, T, D)
         return self.head(h)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, static: bool = False) -> DynamicCache | StaticCache:
+        """A KV cache; `static`: preallocated to the whole sequence, about 3x faster per AR step at batch 128
+        (a DynamicCache concatenates every layer's keys and values at every step), but it cannot roll back."""
+        if static:
+            return StaticCache(config=self.config, max_cache_len=self.grid.seq_len)
         return DynamicCache(config=self.config)
 
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None,

@@ -30,11 +30,12 @@ def visual_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: f
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 1.0,
              temperature: float = 1.0, top_k: int | None = None,
              generators: list[torch.Generator] | None = None, use_cache: bool = True,
-             cfg_rows: bool | None = None):
+             cfg_rows: bool | None = None, cache=None):
     """Sample visual codes (B, H, W) for prompt slots (B, P). Returns (codes, stats).
 
     `cfg_rows` forces (True) or drops (False) the unconditional rows; by default they run iff
-    cfg_scale != 1.
+    cfg_scale != 1. `cache`: an empty cache to decode into (default: `backbone.new_cache()`); AR never rolls
+    back, so an append-only preallocated cache works too.
     """
     g = backbone.grid
     expect_float("cfg_scale", cfg_scale, 0.0)
@@ -43,7 +44,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     ids = _batch_for_cfg(backbone, prompt_ids, cfg_rows)  # (B', P)
     B, reps = prompt_ids.shape[0], ids.shape[0] // prompt_ids.shape[0]
     device = ids.device
-    cache = backbone.new_cache() if use_cache else None
+    cache = (backbone.new_cache() if cache is None else cache) if use_cache else None
     seq = ids
     hidden = backbone.forward_hidden(ids, torch.arange(ids.shape[1], device=device), cache)[:, -1]  # prefill
     nfe = 1

@@ -2,6 +2,12 @@
 embedding of the token x_{q+1} that h_q predicted, it predicts the pre-norm hidden state one step
 right (h_{q+1}) and one row down (h_{q+S}, S the row stride). Predictions go through the
 backbone's own final norm and head, so f_phi never owns an output layer.
+
+By default each direction is a point-wise residual MLP (the paper's lightweight head). With
+`context_kernel=k` the down direction also mixes each column with its k - 1 neighbours along the row
+above (a 1-D convolution before each residual block), so that the down draft of column c sees the
+row above around c, the diagonal neighbours included (EAGLE-style context); the down input is then a
+whole row (..., W, D), as SSD drafts it.
 """
 from __future__ import annotations
 
@@ -27,9 +33,25 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+class _RowMixer(nn.Module):
+    """Residual 1-D convolution along the row axis: (..., W, C) -> (..., W, C)."""
+
+    def __init__(self, width: int, kernel: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.conv = nn.Conv1d(width, width, kernel, padding=kernel // 2)  # zero padding past the row's ends
+
+    def forward(self, x):
+        shape = x.shape
+        y = self.norm(x).reshape(-1, shape[-2], shape[-1]).transpose(1, 2)  # (N, C, W)
+        return x + torch.nn.functional.silu(self.conv(y)).transpose(1, 2).reshape(shape)
+
+
 def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, width_mult: int | None,
-                    blocks: int | None, directions: tuple[str, ...], what: str) -> nn.ModuleDict:
-    """One residual MLP per draft direction, sized by a preset (checked, with the valid choices named)."""
+                    blocks: int | None, directions: tuple[str, ...], what: str,
+                    context: dict[str, int] | None = None) -> nn.ModuleDict:
+    """One residual MLP per draft direction, sized by a preset (checked, with the valid choices named);
+    `context` maps a direction to the kernel of the row mixers put before each of its blocks."""
     if preset not in PRESETS:
         raise ValueError(f"unknown {what} preset {preset!r}: expected one of {sorted(PRESETS)}")
     bad = [d for d in directions if d not in DIRECTIONS]
@@ -37,9 +59,13 @@ def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, 
         raise ValueError(f"unknown {what} directions {bad}: expected a subset of {DIRECTIONS}")
     mult, n_blocks = PRESETS[preset]
     width = (width_mult or mult) * hidden_size
+    context = context or {}
+
+    def body(d):
+        k = context.get(d)
+        return [m for _ in range(blocks or n_blocks) for m in ([_RowMixer(width, k)] if k else []) + [_Block(width)]]
     return nn.ModuleDict({
-        d: nn.Sequential(nn.Linear(in_size, width), *[_Block(width) for _ in range(blocks or n_blocks)],
-                         nn.LayerNorm(width), nn.Linear(width, out_size))
+        d: nn.Sequential(nn.Linear(in_size, width), *body(d), nn.LayerNorm(width), nn.Linear(width, out_size))
         for d in directions})
 
 
@@ -47,20 +73,32 @@ class FPhi(nn.Module):
     """Two-direction hidden-state predictor; each direction is a residual MLP over [h_q, e(x_{q+1})]."""
 
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
-                 blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):
+                 blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = "",
+                 context_kernel: int | None = None):
         super().__init__()
+        if context_kernel is not None and (context_kernel < 1 or context_kernel % 2 == 0):
+            raise ValueError(f"context_kernel={context_kernel}: expected an odd kernel >= 1 (or null: point-wise)")
+        if context_kernel and "down" not in directions:
+            raise ValueError(f"context_kernel={context_kernel} mixes the row above for the down direction, but "
+                             f"directions={list(directions)}: add 'down' or set context_kernel=null")
         self.nets = _direction_mlps(2 * hidden_size, hidden_size, hidden_size, preset, width_mult, blocks,
-                                    tuple(directions), "f_phi")
+                                    tuple(directions), "f_phi", {"down": context_kernel} if context_kernel else None)
         self.hidden_size, self.directions, self.backbone_id = hidden_size, tuple(directions), backbone_id
+        self.context_kernel = context_kernel
+        self.row_inputs = ("down",) if context_kernel else ()  # directions whose input is a whole row (..., W, D)
         self.in_norm = nn.LayerNorm(hidden_size)  # pre-norm states have a large, growing scale
         for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
             nn.init.zeros_(net[-1].weight)
             nn.init.zeros_(net[-1].bias)
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
-        """(..., D) pre-norm state at q and (..., D) embedding of x_{q+1} -> (..., D) predicted pre-norm state."""
+        """(..., D) pre-norm state at q and (..., D) embedding of x_{q+1} -> (..., D) predicted pre-norm state;
+        for a direction with row context, (..., W, D) states and embeddings of a whole row above."""
         if direction not in self.nets:
             raise ValueError(f"this f_phi predicts {self.directions}, not {direction!r}")
+        if direction in self.row_inputs and hidden.ndim < 3:
+            raise ValueError(f"f_phi.{direction} mixes context along a row: expected (..., W, D) inputs, got "
+                             f"{tuple(hidden.shape)}")
         x = torch.cat([self.in_norm(hidden), next_embed], dim=-1)
         return hidden + self.nets[direction](x)
 

@@ -79,7 +79,7 @@ class DistillDataModule(L.LightningDataModule):
 
     def prepare_data(self):
         h = self.hparams
-        todo = missing_shards(self.shard_path, {"train": h.train_shards, "val": h.val_shards})
+        todo = missing_shards(self.shard_path, {"val": h.val_shards, "train": h.train_shards})  # val first: it scores every run
         if not todo:
             return
         device = h.sample_device
@@ -100,7 +100,8 @@ class DistillDataModule(L.LightningDataModule):
                        for i in range(n)]
             cond = backbone.prompt_ids(prompts)
             codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
-                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device))
+                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device),
+                                   cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
             s_cond, tok = teacher_states(backbone, cond, codes)
             s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
             states.append(torch.stack([s_cond, s_null], 1).half().cpu().numpy())

@@ -2,7 +2,21 @@
 
 The drafter predicts the teacher's pre-norm state `offset` positions ahead; the loss is a feature
 regression (error relative to the target's RMS) plus `kl_weight` x KL(teacher head || drafted head)
-over visual codes, both through the backbone's own final norm and head.
+over visual codes on each CFG branch, both through the backbone's own final norm and head (the
+default, as the shipped drafter was trained).
+
+Acceptance is decided by the guided distributions: SSD keeps a draft t ~ q with probability
+min(1, p(t) / q(t)), p and q the CFG-guided target and draft distributions, so a draft's expected
+acceptance is sum_v min(p_v, q_v) = 1 - TV(p, q). `guided_weight` adds a term on exactly those
+distributions, `guided_loss="kl"` (KL(p || q), smooth; zero iff q = p) or `"tv"` (1 - sum min(p, q),
+the acceptance itself). Validation reports both per direction: `accept_<d>` (sum min(p, q), drafts
+sampled from q) and `accept_argmax_<d>` (p at the argmax of q: drafts taken greedily).
+
+Two training-time fixes for how SSD uses the drafter: `rollout=k` chains the right direction k steps
+on its own predictions (the first row is drafted as such a chain; a one-step-trained drafter never sees
+its own outputs as inputs), and `input_noise` adds Gaussian noise (relative to the state's RMS) to
+the input states. The down direction is trained on whole rows (the row above -> the row), so a
+drafter with row context (`FPhi(context_kernel=k)`) sees what SSD gives it.
 """
 from __future__ import annotations
 
@@ -12,16 +26,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
+from specgen.decoding.sampling import guide
 from specgen.modules.schedules import adamw_warmup_cosine
-from specgen.utils.validate import expect_float
+from specgen.utils.validate import expect_float, expect_int
+
+GUIDED_LOSSES = ("kl", "tv")
+
+
+def guided_terms(t_logits: torch.Tensor, d_logits: torch.Tensor, cfg_scale: float) -> dict[str, torch.Tensor]:
+    """Per-position terms of the CFG-guided target p and draft q, from [cond; uncond] logits stacked as
+    (2B, ..., V) with branch-major order: kl = KL(p || q), accept = sum min(p, q), accept_argmax = p(argmax q)."""
+    log_p = F.log_softmax(guide(t_logits, cfg_scale), -1)
+    log_q = F.log_softmax(guide(d_logits, cfg_scale), -1)
+    p, q = log_p.exp(), log_q.exp()
+    return {"kl": (p * (log_p - log_q)).sum(-1), "accept": torch.minimum(p, q).sum(-1),
+            "accept_argmax": p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)}
 
 
 class DistillModule(L.LightningModule):
     def __init__(self, net: nn.Module, backbone_dir: str, tokenizer_dir: str, lr: float = 1e-3,
-                 weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1):
+                 weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1,
+                 guided_weight: float = 0.0, guided_loss: str = "kl", cfg_scale: float = 2.0,
+                 rollout: int = 1, input_noise: float = 0.0):
         super().__init__()
         expect_float("module.lr", lr, 0.0)
         expect_float("module.kl_weight", kl_weight, 0.0)
+        expect_float("module.guided_weight", guided_weight, 0.0)
+        expect_float("module.cfg_scale", cfg_scale, 0.0)
+        expect_float("module.input_noise", input_noise, 0.0)
+        expect_int("module.rollout", rollout, 1)
+        if guided_loss not in GUIDED_LOSSES:
+            raise ValueError(f"module.guided_loss={guided_loss!r}: expected one of {GUIDED_LOSSES}")
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         # The frozen teacher lives outside the module tree: never trained, never in a checkpoint.
@@ -48,28 +83,60 @@ class DistillModule(L.LightningModule):
         g = self.backbone.grid
         return self.backbone.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, L, ...) teacher-layout tensor -> (N, H - 1, W, ...): at [r, c] the index of the state that
+        predicts visual token (r, c), rows 0..H-2 (the inputs of the down direction; +stride: its targets)."""
+        g = self.backbone.grid
+        r = torch.arange(g.height - 1, device=x.device)[:, None]
+        c = torch.arange(g.width, device=x.device)[None, :]
+        return x[:, r * g.stride + c]
+
+    def _noisy(self, h: torch.Tensor) -> torch.Tensor:
+        if not (self.training and self.hparams.input_noise > 0):
+            return h
+        rms = h.pow(2).mean(-1, keepdim=True).sqrt()
+        return h + self.hparams.input_noise * rms * torch.randn_like(h)
+
+    def _pairs(self, name: str, off: int, states, embeds):
+        """[(drafted, target)] for one direction: states in the layout the decoder feeds (rows for down),
+        `rollout` chained steps for right."""
+        if name == "down":
+            h, e = self._rows(states), self._rows(embeds)
+            return [(self.net(self._noisy(h), e, name), self._rows(states[:, off:]))]
+        pairs, h = [], self._noisy(states[:, :-off])
+        steps = self.hparams.rollout if name == "right" else 1
+        for k in range(1, steps + 1):  # step k: drafted from step k - 1's drafts, teacher tokens as inputs
+            h = self.net(h, embeds[:, (k - 1) * off: embeds.shape[1] - off], name)
+            pairs.append((h, states[:, k * off:]))
+            h = h[:, :-off]
+        return pairs
+
     def losses(self, batch) -> dict[str, torch.Tensor]:
-        states = batch["states"].flatten(0, 1)  # (2B, L, D): conditional and unconditional rows
-        ids = batch["ids"].repeat_interleave(2, 0)  # (2B, L): the token each state predicts
+        states = batch["states"].transpose(0, 1).flatten(0, 1)  # (2B, L, D): B conditional rows, then B unconditional
+        ids = batch["ids"].repeat(2, 1)  # (2B, L): the token each state predicts
         embeds = self.backbone.embed(ids)
+        tokens_out = getattr(self.net, "predicts", "hidden") == "tokens"
         out, total = {}, 0.0
         for name, off in self.tasks():
-            h, e, target = states[:, :-off], embeds[:, :-off], states[:, off:]
-            pred = self.net(h, e, name)
-            with torch.no_grad():
-                t_logits = self._visual(target)
-            if getattr(self.net, "predicts", "hidden") == "tokens":  # ablation: code logits, no state to regress
-                feat, p_logits = torch.zeros((), device=pred.device), pred
-            else:
-                rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
-                feat = ((pred - target) / rms).pow(2).mean()
-                p_logits = self._visual(pred)
-            kl = F.kl_div(F.log_softmax(p_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
-                          reduction="none").sum(-1).mean()
-            w = 1.0 if getattr(self.net, "predicts", "hidden") == "tokens" else self.hparams.kl_weight
-            total = total + feat + w * kl
-            out.update({f"loss_feat_{name}": feat, f"loss_kl_{name}": kl,
-                        f"top1_{name}": (p_logits.argmax(-1) == t_logits.argmax(-1)).float().mean()})
+            for k, (pred, target) in enumerate(self._pairs(name, off, states, embeds)):
+                with torch.no_grad():
+                    t_logits = self._visual(target)
+                if tokens_out:  # ablation: code logits, no state to regress
+                    feat, p_logits = torch.zeros((), device=pred.device), pred
+                else:
+                    rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
+                    feat = ((pred - target) / rms).pow(2).mean()
+                    p_logits = self._visual(pred)
+                kl = F.kl_div(F.log_softmax(p_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                              reduction="none").sum(-1).mean()
+                g = {key: v.mean() for key, v in guided_terms(t_logits, p_logits, self.hparams.cfg_scale).items()}
+                guided = g["kl"] if self.hparams.guided_loss == "kl" else 1.0 - g["accept"]
+                w = 1.0 if tokens_out else self.hparams.kl_weight
+                total = total + feat + w * kl + self.hparams.guided_weight * guided
+                tag = name if k == 0 else f"{name}_chain{k + 1}"
+                out.update({f"loss_feat_{tag}": feat, f"loss_kl_{tag}": kl, f"loss_guided_kl_{tag}": g["kl"],
+                            f"top1_{tag}": (p_logits.argmax(-1) == t_logits.argmax(-1)).float().mean(),
+                            f"accept_{tag}": g["accept"], f"accept_argmax_{tag}": g["accept_argmax"]})
         out["loss"] = total
         return out
 
