@@ -27,6 +27,30 @@ def test_reverse_process_reproduces_gaussian_data(variance):
     assert stats.kstest(x.view(-1).numpy(), "norm", args=(m, s)).pvalue > 1e-3
 
 
+def test_ddim_tail_is_deterministic_and_keeps_the_data_distribution():
+    """The last 30 stochastic steps as DDIM steps (eta = 0), driven by the optimal denoiser: variance 0 there,
+    the mean is sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, per-row indices agree, the data are still reproduced."""
+    m, s, tail = 0.7, 0.4, 30
+    diff = GaussianDiffusion(train_steps=1000, sample_steps=100, variance="fixed_small")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 1, generator=g, dtype=torch.float64)
+    for i in reversed(range(diff.sample_steps)):
+        ac = float(diff.s_ac[i])
+        eps = optimal_eps(x, ac, m, s)
+        mean, var = diff.step_mean_var(eps, x, i, ddim_tail=tail)
+        if 1 <= i <= tail:
+            x0 = (x - math.sqrt(1 - ac) * eps) / math.sqrt(ac)
+            prev = float(diff.s_ac_prev[i])
+            assert float(var.abs().max()) == 0
+            assert torch.allclose(mean, math.sqrt(prev) * x0 + math.sqrt(1 - prev) * eps, atol=1e-9)
+            rows_mean, rows_var = diff.step_mean_var(eps[:3], x[:3], torch.full((3,), i), ddim_tail=tail)
+            assert torch.allclose(rows_mean, mean[:3]) and float(rows_var.abs().max()) == 0
+        x = mean + var.sqrt() * torch.randn(x.shape, generator=g, dtype=torch.float64)
+    assert stats.kstest(x.view(-1).numpy(), "norm", args=(m, s)).pvalue > 1e-3
+    post = diff.s_betas * (1 - diff.s_ac_prev) / (1 - diff.s_ac)
+    assert diff.final_std() == pytest.approx(float(post[1].sqrt()))  # improved DDPM's clipped value at step 0
+
+
 def test_denoiser_shapes_and_identity_start():
     net = DenoiserMLP(token_dim=4, cond_dim=8, width=32, depth=2)
     out = net(torch.randn(5, 4), torch.randint(0, 1000, (5,)), torch.randn(5, 8))

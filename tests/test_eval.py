@@ -235,20 +235,21 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_exact", "cspd_lossless")
+    cspds = ("cspd", "cspd_noalign", "cspd_exact", "cspd_lossless", "cspd_tail")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.fidelity.num_prompts=4",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
                                "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
-                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", *cspds)],
+                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target_tail", *cspds)],
                                *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
     for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_exact/accept_rate", "cspd/speed/wall_ratio",
                 "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
                 "cspd/geneval/overall_ci95", "cspd_exact/fidelity/fid", "target/fidelity/fid",
-                "cspd_lossless/accept_rate", "cspd_lossless/geneval/overall"):
+                "cspd_lossless/accept_rate", "cspd_lossless/geneval/overall", "cspd/speed/target_work_ratio",
+                "cspd_tail/accept_rate", "target_tail/geneval/overall"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0
     # the tiny draft is the target itself: the exact ratio is 1 on every trajectory, so nothing is rejected
@@ -257,9 +258,9 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
 
 def test_cspd_ablation_shares_the_swept_setting(tmp_path):
     cfg = compose_cfg("eval", ["experiment=cspd_ablation", "ablation.gamma=16", "ablation.prefill_ratio=0.15"], tmp_path)
-    assert set(cfg.strategies) == {"target", "cspd_exact"}
-    assert cfg.strategies.cspd_exact.fn.gamma == 16 and cfg.strategies.cspd_exact.fn.prefill_ratio == 0.15
-    assert cfg.strategies.cspd_exact.fn.ratio == "exact"
+    assert set(cfg.strategies) == {"target", "cspd"}
+    assert cfg.strategies.cspd.fn.gamma == 16 and cfg.strategies.cspd.fn.prefill_ratio == 0.15
+    assert cfg.strategies.cspd.fn.ratio == "paper"
 
 
 def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, capsys):

@@ -3,7 +3,8 @@ DDPM whose reverse process exposes every step's Gaussian mean and variance and t
 noise, so that two heads can be run on aligned trajectories and their transition densities compared.
 
 Defaults follow MAR: 1000 training steps with the cosine schedule, 100 respaced sampling steps,
-epsilon prediction, "fixed small" (posterior) variance, noise temperature 1.
+epsilon prediction, "fixed small" (posterior) variance, noise temperature 1. `ddim_tail` > 0 (a
+deviation, for CSpD's exact ratio) makes the last stochastic steps deterministic DDIM steps.
 """
 from __future__ import annotations
 
@@ -120,7 +121,9 @@ class GaussianDiffusion:
         # per sampling step, computed once in float64: the coefficients `step_mean_var` needs
         beta, small = self.s_betas, self.s_betas * (1 - prev) / (1 - ac)
         self._coefs = torch.stack([(1 - ac).sqrt(), ac.sqrt(), prev.sqrt() * beta / (1 - ac),
-                                   (1 - beta).sqrt() * (1 - prev) / (1 - ac), beta.log(), small.clamp_min(1e-20).log()])
+                                   (1 - beta).sqrt() * (1 - prev) / (1 - ac), beta.log(), small.clamp_min(1e-20).log(),
+                                   prev.sqrt(), (1 - prev).sqrt()])
+        self._small = small
         self._coef_cache: dict = {}  # (device, dtype) -> the table cast there
 
     def vlb_term(self, eps: torch.Tensor, v: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor,
@@ -155,26 +158,40 @@ class GaussianDiffusion:
         ac = self.alphas_cumprod.to(x0.device, torch.float32)[t][:, None]
         return ac.sqrt() * x0 + (1 - ac).sqrt() * noise
 
-    def step_mean_var(self, out: torch.Tensor, x_t: torch.Tensor, i) -> tuple[torch.Tensor, torch.Tensor]:
+    def final_std(self) -> float:
+        """Standard deviation of the last step's Gaussian that DDPM would use (improved DDPM's clipped
+        posterior variance at step 0, the value at step 1); sampling itself takes the mean there."""
+        return float(self._small[1].sqrt()) if self.sample_steps > 1 else float(self.s_betas[0].sqrt())
+
+    def step_mean_var(self, out: torch.Tensor, x_t: torch.Tensor, i, ddim_tail: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and variance (both like x_t) of p(x_{i-1} | x_i) for sampling step index i (i = K-1 first).
 
         `i` is one index for all rows, or a LongTensor (N,) of per-row indices (several steps of a chain
         evaluated in one call). `out` is the denoiser output: epsilon, or [epsilon, v] for 'learned_range'
         (the log-variance interpolates between the posterior variance and beta by (v + 1) / 2, as in
-        improved DDPM). The last step (i = 0) has variance 0: the sample is its mean.
+        improved DDPM). The last step (i = 0) has variance 0: the sample is its mean. Steps 1 <= i <=
+        `ddim_tail` are deterministic DDIM steps (eta = 0): mean sqrt(a_prev) x0 + sqrt(1 - a_prev) eps, variance 0.
         """
         d = x_t.shape[-1]
         eps = out[..., :d]
         key = (x_t.device, x_t.dtype)
         if key not in self._coef_cache:
             self._coef_cache[key] = self._coefs.to(x_t.device, x_t.dtype)
-        table = self._coef_cache[key]  # (6, K)
+        table = self._coef_cache[key]  # (8, K)
         per_row = isinstance(i, torch.Tensor)
         if per_row:
             i = i.to(x_t.device)
-        s1, sa, c0, ct, log_beta, log_small = (table[:, i] if per_row else table[:, i:i + 1])[..., None]
+        s1, sa, c0, ct, log_beta, log_small, sp, s1p = (table[:, i] if per_row else table[:, i:i + 1])[..., None]
         x0 = ((x_t - s1 * eps) / sa).clamp(-10, 10)  # guards the noisiest steps
         mean = c0 * x0 + ct * x_t
+        if ddim_tail > 0:  # eps re-derived from the clamped x0, as DDIM does
+            ddim = sp * x0 + s1p * (x_t - sa * x0) / s1
+            tail = (i >= 1) & (i <= ddim_tail)
+            if per_row:
+                mean = torch.where(tail[:, None], ddim, mean)
+            elif tail:
+                return ddim, torch.zeros_like(x_t)
         if not per_row and i == 0:
             return mean, torch.zeros_like(x_t)
         if self.variance == "learned_range":
@@ -185,5 +202,5 @@ class GaussianDiffusion:
         else:
             var = (log_small if self.variance == "fixed_small" else log_beta).exp().expand_as(x_t).clone()
         if per_row:
-            var = torch.where((i == 0)[:, None], torch.zeros_like(var), var)
+            var = torch.where(((i == 0) | ((i >= 1) & (i <= ddim_tail)))[:, None], torch.zeros_like(var), var)
         return mean, var

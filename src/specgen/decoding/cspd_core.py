@@ -1,23 +1,42 @@
 """Continuous speculative decoding, per token: draft trajectory, density-ratio acceptance, residual.
 
 A diffusion head samples a token by a chain of Gaussian transitions x_K -> ... -> x_0 with
-p(x_{i-1} | x_i) = N(mu(x_i), var_i). Its trajectory density is N(x_K; 0, I) prod_i N(x_{i-1}; mu(x_i), var_i).
+p(x_{i-1} | x_i) = N(mu(x_i), var_i); the last step(s) may be deterministic (var = 0: DDPM's last step,
+and a DDIM tail). Each token's chain uses its own noise: x_K and eps_K ... eps_1, x_{i-1} = mu + sigma eps_i.
 
-* Draft: the draft head runs its chain from x_K with per-step noise eps_i.
-* Accept (`ratio="exact"`): with prob min(1, [p(tau)/q(tau)]^(1/T)), p's transitions evaluated on the
-  draft's own states (x_K cancels). With T = 1 this is speculative sampling on trajectories, hence
-  exact for the token: the accepted chain is a draw from p's chain.
-* Accept (`ratio="aligned"`, the CSpD paper's estimate): the target runs its own chain from the same
-  x_K with the same eps_i ("trajectory alignment"); p's transition i is centred at mu_p of the
-  target's state and evaluated at the draft's next state. Approximate (exact only when the chains
-  coincide); without alignment (`align=False`) the target's chain uses independent noise, which
-  is what alignment is measured against.
-* Deterministic steps (var = 0, the last DDPM step) carry no density: an accepted chain ends with
-  the target's own last step, so the output token is the target's.
-* Residual: a rejected token is redrawn from norm(max(0, p - q)) by acceptance-rejection with the
-  analytic bound p >= max(0, p - q): propose tau ~ p, accept with max(0, 1 - q(tau)/p(tau)). At most
-  `max_proposals` proposals; after that the last proposal is used (a draw from p, not the residual)
-  and the fallback is counted.
+Ratios (`ratio`):
+* "paper" (the CSpD paper's criterion p(Y_p)/q(Y_q), as the authors' code evaluates it): the target runs
+  its OWN chain Y_p, the draft its own Y_q, from the same x_K with the same eps_i (alignment). On its own
+  chain each stochastic step's density is N(x_{i-1}; mu, sigma^2) = prod_d (2 pi sigma_d^2)^(-1/2)
+  exp(-eps_d^2 / 2): with shared noise the exponents are equal and cancel, and what is left of the steps
+  is the product of the normalisers, sum_i sum_d (log sigma^q_{i,d} - log sigma^p_{i,d}). The chain ends
+  with a deterministic step, so the token itself is scored by a last-step Gaussian of width
+  T sigma_f (`inner_temperature` T, 42 in the authors' code; `final_std` sigma_f, by default the schedule's
+  clipped posterior std at step 0, shared by both models so that its normalisers cancel) centred on each
+  model's end point and evaluated at the drafted token x^q_0:
+      log r = sum_i sum_d log(sigma^q_{i,d} / sigma^p_{i,d}) - |x^q_0 - x^p_0|^2 / (2 T^2 sigma_f^2).
+  Approximation, stated: r compares densities of two different trajectories, not one trajectory under two
+  models, so accepting with min(1, r) does not make the output the target's distribution; the last-step
+  density is a Gaussian of chosen width, not the model's (deterministic) last step. Without alignment
+  (independent noise) the exponents do not cancel: the estimator drops them all the same (as the authors'
+  code does), so `align=False` measures what alignment does to the normalisers and end points. (The
+  authors' code multiplies by prod sigma^p / sigma^q over the steps, the reciprocal of the derivation's
+  factor; this module follows the derivation.) The accepted token is the draft's.
+* "exact": the target's transitions evaluated on the draft's own stochastic states (x_K cancels): with
+  density temperature 1 this is speculative sampling on the stochastic part of the trajectory, hence
+  exact; the accepted token is the target's deterministic tail run from the draft's last stochastic state.
+* "aligned" (an earlier reading, kept as an option): the target's Gaussians centred on its own aligned
+  states, evaluated at the draft's states; the accepted token is the draft's.
+
+Residuals (a rejected token is redrawn):
+* `gaussian_residual` (ratio "paper", the paper's way): from norm(max(0, c P - Q)), P and Q the two
+  models' end-of-chain Gaussians N(x^p_0, sigma_f^2) and N(x^q_0, sigma_f^2), c the normaliser product,
+  by acceptance-rejection against the bound c P (proposals from P, around the target's aligned token;
+  accept with max(0, 1 - Q / (c P))): no denoiser call. The inner temperature widens only the acceptance
+  test, not the residual, as in the authors' code.
+* `residual_sample` (exact ratio): from norm(max(0, p - q)) over trajectories, proposals are fresh target
+  chains, accepted with max(0, 1 - q(tau)/p(tau)).
+Both stop after `max_proposals`; the fallback (the target's aligned token, or the last proposal) is counted.
 """
 from __future__ import annotations
 
@@ -29,6 +48,7 @@ import torch
 
 # step_fn(x_i (N, d), i) -> (mean (N, d), var (N, d)) of p(x_{i-1} | x_i), i = K-1 ... 0
 StepFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+RATIOS = ("paper", "exact", "aligned")
 
 
 @dataclasses.dataclass
@@ -41,6 +61,23 @@ class Trajectory:
     def sample(self) -> torch.Tensor:
         return self.states[-1]
 
+    @staticmethod
+    def cat(chains: list["Trajectory"]) -> "Trajectory":
+        """The chains of several token sets stacked into one (rows in the given order)."""
+        join = lambda lists: [torch.cat(parts) for parts in zip(*lists)]
+        return Trajectory(join([c.states for c in chains]), join([c.means for c in chains]),
+                          join([c.vars for c in chains]))
+
+    def rows(self, keep: torch.Tensor) -> "Trajectory":
+        return Trajectory([s[keep] for s in self.states], [m[keep] for m in self.means], [v[keep] for v in self.vars])
+
+    def stochastic_steps(self) -> int:
+        """Number of leading steps with noise; the steps after them are all deterministic (var = 0)."""
+        k = len(self.vars)
+        while k > 0 and float(self.vars[k - 1].max()) == 0:
+            k -= 1
+        return k
+
 
 def tempered(step: StepFn, temperature: float) -> StepFn:
     """The chain actually sampled at noise temperature t: variances scaled by t^2 (densities follow)."""
@@ -51,13 +88,15 @@ def tempered(step: StepFn, temperature: float) -> StepFn:
     return warm
 
 
-def run_chain(step: StepFn, x_init: torch.Tensor, noises: list[torch.Tensor]) -> Trajectory:
-    """Sample a chain from x_K = x_init with injected per-step noise (one (N, d) tensor per step)."""
+def run_chain(step: StepFn, x_init: torch.Tensor, noises: list[torch.Tensor], top: int | None = None) -> Trajectory:
+    """Sample a chain from x_init with injected per-step noise (one (N, d) tensor per step).
+
+    The first step has index `top` (default len(noises) - 1: a whole chain), the last index top - len + 1."""
+    top = len(noises) - 1 if top is None else top
     states, means, vars_ = [x_init], [], []
     x = x_init
     for k, eps in enumerate(noises):
-        i = len(noises) - 1 - k
-        mean, var = step(x, i)
+        mean, var = step(x, top - k)
         x = mean + var.sqrt() * eps
         states.append(x)
         means.append(mean)
@@ -78,48 +117,62 @@ def chain_logprob(states: list[torch.Tensor], means: list[torch.Tensor], vars_: 
     return sum(gauss_logpdf(states[k + 1], means[k], vars_[k]) for k in range(len(means)))
 
 
-def evaluate_on(step: StepFn, states: list[torch.Tensor], max_rows: int = 4096
+def evaluate_on(step: StepFn, states: list[torch.Tensor], max_rows: int = 4096, top: int | None = None
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Another head's transition means/variances evaluated on given states.
+    """Another head's transition means/variances evaluated on given states (states[k] at step top - k).
 
     The states are known, so the steps do not depend on each other: a step function marked `batched`
     (it takes a tensor of per-row step indices) evaluates the whole chain in as few calls as
     `max_rows` allows, instead of one call per step."""
     K = len(states) - 1
+    top = K - 1 if top is None else top
     if not getattr(step, "batched", False) or K == 0:
-        out = [step(states[k], K - 1 - k) for k in range(K)]
+        out = [step(states[k], top - k) for k in range(K)]
         return [m for m, _ in out], [v for _, v in out]
     N = states[0].shape[0]
     per_call = max(1, max_rows // max(N, 1))
     means, vars_ = [], []
     for lo in range(0, K, per_call):
         ks = range(lo, min(K, lo + per_call))
-        x = torch.cat([states[k] for k in ks])
-        i = torch.cat([torch.full((N,), K - 1 - k, dtype=torch.long) for k in ks])
+        x = torch.cat([states[k] for k in ks])  # (len(ks) * N, d)
+        i = torch.cat([torch.full((N,), top - k, dtype=torch.long) for k in ks])
         m, v = step(x, i)
         means += list(m.split(N))
         vars_ += list(v.split(N))
     return means, vars_
 
 
-def log_ratio(draft: Trajectory, target_step: StepFn, ratio: str = "exact", target_noises=None,
-              align: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(tau)/q(tau) (N,), the target's final token (N, d)) for a drafted chain."""
-    logq = chain_logprob(draft.states, draft.means, draft.vars)
-    if ratio == "exact":
-        means, vars_ = evaluate_on(target_step, draft.states)
-        # a deterministic last step is not judged: the accepted chain ends with the target's own mean
-        final = means[-1] if float(vars_[-1].max()) == 0 else draft.sample
-        return chain_logprob(draft.states, means, vars_) - logq, final
-    if ratio != "aligned":
-        raise ValueError(f"unknown CSpD ratio {ratio!r}: expected 'exact' or 'aligned'")
-    if target_noises is None:
-        raise ValueError("ratio='aligned' needs the target's noises (the draft's when aligned, fresh ones when not)")
-    x_init = draft.states[0] if align else torch.randn_like(draft.states[0])
-    own = run_chain(target_step, x_init, target_noises)
-    logp = chain_logprob(draft.states, own.means, own.vars)  # target Gaussians at its own states, draft's points
-    final = own.sample if float(own.vars[-1].max()) == 0 else draft.sample
-    return logp - logq, final
+def normaliser_log_ratio(draft: Trajectory, own: Trajectory) -> torch.Tensor:
+    """sum over stochastic steps and dims of log sigma^q - log sigma^p, each model on its own chain (N,)."""
+    out = torch.zeros(draft.sample.shape[0], device=draft.sample.device)
+    for vq, vp in zip(draft.vars, own.vars):
+        live = (vq > 0) & (vp > 0)
+        one = torch.ones_like(vq)
+        out = out + 0.5 * (torch.where(live, vq, one).log() - torch.where(live, vp, one).log()).sum(-1)
+    return out
+
+
+def paper_log_ratio(draft: Trajectory, own: Trajectory, final_std: float, inner_temperature: float) -> torch.Tensor:
+    """The paper's log p(Y_p)/q(Y_q) (module docstring): normalisers plus the last-step Gaussian (N,)."""
+    gap = ((draft.sample - own.sample) / (inner_temperature * final_std)).pow(2).sum(-1)
+    return normaliser_log_ratio(draft, own) - 0.5 * gap
+
+
+def exact_log_ratio(draft: Trajectory, target_step: StepFn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(tau)/q(tau) over the stochastic steps (N,), the target's tail from the draft's last stochastic state)."""
+    K, k0 = len(draft.means), draft.stochastic_steps()
+    logq = chain_logprob(draft.states[:k0 + 1], draft.means[:k0], draft.vars[:k0])
+    means, vars_ = evaluate_on(target_step, draft.states[:k0 + 1], top=K - 1)
+    logp = chain_logprob(draft.states[:k0 + 1], means, vars_)
+    x = draft.states[k0]
+    tail = run_chain(target_step, x, [torch.zeros_like(x)] * (K - k0), top=K - 1 - k0)  # deterministic: no noise
+    return logp - logq, tail.sample
+
+
+def aligned_log_ratio(draft: Trajectory, own: Trajectory) -> torch.Tensor:
+    """The earlier reading: the target's Gaussians at its own states, evaluated at the draft's states (N,)."""
+    return (chain_logprob(draft.states, own.means, own.vars)
+            - chain_logprob(draft.states, draft.means, draft.vars))
 
 
 def accept(logr: torch.Tensor, u: torch.Tensor, density_temperature: float = 1.0) -> torch.Tensor:
@@ -127,10 +180,31 @@ def accept(logr: torch.Tensor, u: torch.Tensor, density_temperature: float = 1.0
     return torch.log(u.clamp_min(1e-30)) < (logr / density_temperature).clamp_max(0.0)
 
 
+def gaussian_residual(mu_p: torch.Tensor, mu_q: torch.Tensor, std, log_c: torch.Tensor, rand, randn,
+                      max_proposals: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw from norm(max(0, c N(mu_p, std^2) - N(mu_q, std^2))) by acceptance-rejection with proposals
+    from N(mu_p, std^2) (bound c P), accepted with max(0, 1 - Q / (c P)). `rand`/`randn` map a shape to a
+    tensor (one stream per row). Returns (tokens (N, d), proposals used (N,), fell back (N,) bool); a row
+    that accepts none of `max_proposals` gets mu_p, the target's aligned token."""
+    N = mu_p.shape[0]
+    out, used = mu_p.clone(), torch.zeros(N, dtype=torch.long, device=mu_p.device)
+    done = torch.zeros(N, dtype=torch.bool, device=mu_p.device)
+    for _ in range(max_proposals):
+        x = mu_p + std * randn(tuple(mu_p.shape))
+        log_q_over_p = (((x - mu_p) ** 2 - (x - mu_q) ** 2) / (2 * std ** 2)).sum(-1)  # log Q(x) - log P(x)
+        ok = (rand((N,)) < (1 - torch.exp(log_q_over_p - log_c)).clamp_min(0)) & ~done
+        out[ok] = x[ok]
+        used += (~done).long()
+        done |= ok
+        if bool(done.all()):
+            break
+    return out, used, ~done
+
+
 def residual_sample(target_step: StepFn, draft_step: StepFn, shape: tuple[int, int], steps: int,
                     generator: torch.Generator | None = None, max_proposals: int = 16, device="cpu",
                     rand=None, randn=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draw from norm(max(0, p - q)) by acceptance-rejection with proposals from p.
+    """Draw from norm(max(0, p - q)) over trajectories by acceptance-rejection with fresh target chains.
 
     `rand`/`randn` (shape -> tensor) replace the generator when each row needs its own stream.
     Returns (tokens (N, d), proposals used (N,), fell back (N,) bool)."""
@@ -144,9 +218,10 @@ def residual_sample(target_step: StepFn, draft_step: StepFn, shape: tuple[int, i
         x_init = randn(shape)
         noises = [randn(shape) for _ in range(steps)]
         prop = run_chain(target_step, x_init, noises)
-        logp = chain_logprob(prop.states, prop.means, prop.vars)
-        qm, qv = evaluate_on(draft_step, prop.states)
-        logq = chain_logprob(prop.states, qm, qv)
+        k0 = prop.stochastic_steps()  # deterministic steps carry no density
+        logp = chain_logprob(prop.states[:k0 + 1], prop.means[:k0], prop.vars[:k0])
+        qm, qv = evaluate_on(draft_step, prop.states[:k0 + 1], top=steps - 1)
+        logq = chain_logprob(prop.states[:k0 + 1], qm, qv)
         u = rand((N,))
         ok = (u < (1 - torch.exp(logq - logp)).clamp_min(0)) & ~done
         out[ok] = prop.sample[ok]

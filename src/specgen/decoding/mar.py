@@ -4,14 +4,31 @@ diffusion head with classifier-free guidance (constant or linear schedule) and n
 Every token owns its noise (initial latent and per-step noise), drawn up front from its image's
 generator, so a token's noise does not depend on when or by which model it is generated: this is
 what aligns draft and target trajectories in CSpD, and makes runs reproducible per image.
+
+The linear guidance schedule is MAR's: the scale of a step is 1 + (cfg - 1) x (tokens known after the
+step) / L. `ddim_tail` > 0 (not MAR's sampler; the baseline of CSpD's deterministic-tail variant)
+makes the last `ddim_tail` stochastic denoising steps deterministic DDIM steps.
+
+Work is counted as it is done (`Work`): transformer calls, transformer rows (one image's context,
+CFG branches counted) and denoiser rows (one token at one denoising step, CFG branches counted).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
+from specgen.decoding.cspd_core import run_chain, tempered
 from specgen.utils.validate import expect_float, expect_int
+
+
+@dataclasses.dataclass
+class Work:
+    """What one model computed: transformer calls and rows, denoiser rows."""
+    calls: int = 0
+    rows: int = 0  # transformer rows: one image's condition set per CFG branch
+    head_rows: int = 0  # denoiser evaluations: one token at one denoising step per CFG branch
 
 
 def schedule(seq_len: int, num_iter: int) -> list[int]:
@@ -35,47 +52,61 @@ def orders(generators, seq_len: int, device) -> torch.Tensor:
     return torch.stack([torch.randperm(seq_len, generator=g, device=device) for g in generators])
 
 
-def cfg_at(cfg_scale: float, cfg_schedule: str, known: int, seq_len: int) -> float:
-    """Guidance scale for a step that starts with `known` tokens (Muse/MAR linear schedule or constant)."""
+def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int) -> float:
+    """Guidance scale of a step that ends with `known_after` tokens known (MAR's linear schedule, or constant)."""
     if cfg_schedule == "constant":
         return cfg_scale
     if cfg_schedule == "linear":
-        return 1 + (cfg_scale - 1) * known / seq_len
+        return 1 + (cfg_scale - 1) * known_after / seq_len
     raise ValueError(f"unknown cfg_schedule {cfg_schedule!r}: expected 'linear' or 'constant'")
 
 
-def head_step_fn(model, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, scale: float):
+def cfg_branches(cfg_scale: float) -> int:
+    """Rows per image and token a guided model computes: 2 (conditional, unconditional) or 1 without CFG."""
+    return 1 if cfg_scale == 1.0 else 2
+
+
+def head_step_fn(model, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, scale, ddim_tail: int = 0,
+                 work: Work | None = None):
     """step(x_i, i) -> (mean, var) of the model's guided reverse transition for tokens with conditions z.
 
+    `scale` is one guidance scale or a tensor (N,) of per-token scales (tokens of several MAR steps).
     `i` is a step index, or (`step.batched`) a LongTensor of per-row indices for rows that stack several
     steps' states of the same tokens (z is then repeated to match: one call evaluates a whole chain)."""
     diff = model.diffusion
     d = model.token_dim
+    guided = z_uncond is not None and (isinstance(scale, torch.Tensor) or scale != 1.0)
 
     def step(x: torch.Tensor, i):
+        reps = x.shape[0] // z_cond.shape[0]
         if isinstance(i, torch.Tensor):
             t = diff.timesteps.to(x.device)[i.to(x.device)]
-            reps = x.shape[0] // z_cond.shape[0]
-            zc = z_cond.repeat(reps, 1)
-            zu = None if z_uncond is None else z_uncond.repeat(reps, 1)
         else:
             t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
-            zc, zu = z_cond, z_uncond
-        if zu is None or scale == 1.0:
+        zc = z_cond.repeat(reps, 1) if reps > 1 else z_cond
+        if work is not None:
+            work.head_rows += x.shape[0] * (2 if guided else 1)
+        if not guided:
             out = model.denoise(x, t, zc)
         else:
+            zu = z_uncond.repeat(reps, 1) if reps > 1 else z_uncond
             both = model.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([zc, zu]))
-            c, u = both.chunk(2)
-            out = torch.cat([u[:, :d] + scale * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
-        return diff.step_mean_var(out, x, i)
+            c, u = both.chunk(2)  # (N, d or 2d) each
+            s = scale.repeat(reps)[:, None] if isinstance(scale, torch.Tensor) else scale
+            out = torch.cat([u[:, :d] + s * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
+        return diff.step_mean_var(out, x, i, ddim_tail)
 
     step.batched = True
     return step
 
 
-def model_conditions(model, tokens, mask, cond, null, scale):
+def model_conditions(model, tokens, mask, cond, null, scale, work: Work | None = None):
     """Per-token diffusion conditions (B, L, D) for the conditional and, with guidance, unconditional rows."""
-    if scale == 1.0 and null is None:
+    single = scale == 1.0 and null is None
+    if work is not None:
+        work.calls += 1
+        work.rows += tokens.shape[0] * (1 if single else 2)
+    if single:
         return model.conditions(tokens, mask, cond), None
     z = model.conditions(torch.cat([tokens, tokens]), torch.cat([mask, mask]), torch.cat([cond, null]))
     return z.chunk(2)
@@ -109,34 +140,52 @@ def conditioning(model, prompts: list[str], cfg_scale: float):
 
 
 def mar_step(model, st: MARState, cond, null, target_known: int, cfg_scale: float, cfg_schedule: str,
-             temperature: float, tokens: torch.Tensor | None = None, known: int | None = None):
+             temperature: float, tokens: torch.Tensor | None = None, known: int | None = None, ddim_tail: int = 0,
+             work: Work | None = None):
     """One masked-AR step of `model`: sample the tokens of rank [known, target_known) into `tokens`.
 
     Returns (index of the new tokens, their chain, their conditions (z_cond, z_uncond, scale))."""
-    from specgen.decoding.cspd_core import run_chain, tempered
-
     tokens = st.tokens if tokens is None else tokens
     known = st.known if known is None else known
-    scale = cfg_at(cfg_scale, cfg_schedule, known, st.L)
-    zc, zu = model_conditions(model, tokens, (st.rank >= known).float(), cond, null, scale)
+    scale = cfg_at(cfg_scale, cfg_schedule, target_known, st.L)
+    zc, zu = model_conditions(model, tokens, (st.rank >= known).float(), cond, null, scale, work)
     idx = st.span(known, target_known)
     z = (zc[idx], None if zu is None else zu[idx], scale)
-    step = tempered(head_step_fn(model, *z), temperature)
+    step = tempered(head_step_fn(model, *z, ddim_tail=ddim_tail, work=work), temperature)
     nz = st.noise[idx]  # (N, K + 1, d): the tokens' own noise
     chain = run_chain(step, nz[:, 0], [nz[:, k + 1] for k in range(st.K)])
     tokens[idx] = chain.sample
     return idx, chain, z
 
 
+def work_stats(target: Work, draft: Work, batch: int, seq_len: int, steps: int, num_iter: int,
+               cfg_scale: float) -> dict[str, float]:
+    """Per-image work of a generation and its ratios to target-only sampling of the same batch.
+
+    Target-only sampling computes num_iter condition sets and seq_len x steps denoiser rows per image
+    (times the CFG branches). `*_ratio` is target-only / this run (> 1: less target work);
+    `draft_*_frac` is the draft's work as a fraction of the target-only target's."""
+    g = cfg_branches(cfg_scale)
+    sets_ref, head_ref = num_iter * g * batch, seq_len * steps * g * batch
+    return {"target_calls": float(target.calls), "target_sets": target.rows / (g * batch),
+            "target_head_evals": target.head_rows / batch, "draft_sets": draft.rows / (g * batch),
+            "draft_head_evals": draft.head_rows / batch, "nfe": target.rows / (g * batch),
+            "target_work_ratio": sets_ref / max(target.rows, 1), "target_head_ratio": head_ref / max(target.head_rows, 1),
+            "draft_work_frac": draft.rows / sets_ref, "draft_head_frac": draft.head_rows / head_ref}
+
+
 @torch.no_grad()
 def generate(backbone, prompts: list[str], generators, num_iter: int = 16, cfg_scale: float = 3.0,
-             cfg_schedule: str = "linear", temperature: float = 1.0):
-    """Target-only MAR sampling: tokens (B, L, d) and stats."""
+             cfg_schedule: str = "linear", temperature: float = 1.0, ddim_tail: int = 0):
+    """Target-only MAR sampling: tokens (B, L, d) and stats (nfe = condition sets per image, work counts)."""
     expect_int("num_iter", num_iter, 1)
     expect_float("temperature", temperature, 0.0)
+    expect_int("ddim_tail", ddim_tail, 0)
     st = MARState(backbone, prompts, generators, cfg_scale)
     cond, null = conditioning(backbone, prompts, cfg_scale)
+    work = Work()
     for target_known in schedule(st.L, num_iter):
-        mar_step(backbone, st, cond, null, target_known, cfg_scale, cfg_schedule, temperature)
+        mar_step(backbone, st, cond, null, target_known, cfg_scale, cfg_schedule, temperature, ddim_tail=ddim_tail,
+                 work=work)
         st.known = target_known
-    return st.tokens, {"nfe": num_iter}
+    return st.tokens, work_stats(work, Work(), len(prompts), st.L, st.K, num_iter, cfg_scale)
