@@ -1,14 +1,17 @@
 """The real Hydra configs compose, every LightningModule trains a step, runs resume, W&B runs close."""
+import inspect
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import OmegaConf
 
 from helpers import compose_cfg
 from specgen.evaluation.geneval import TASKS
+from specgen.utils.checkpoints import PRODUCERS
 from specgen.utils.hydra import CONFIG_DIR
 
 EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml"))
@@ -37,24 +40,73 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
     return o
 
 
+def _targets(node, where: str = ""):
+    """(config path, node) of every node of a resolved config that names a `_target_`."""
+    if isinstance(node, dict):
+        if "_target_" in node:
+            yield where, node
+        for k, v in node.items():
+            yield from _targets(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _targets(v, f"{where}[{i}]")
+
+
+def _check_targets(cfg: dict) -> list[str]:
+    """Every `_target_` of `cfg` names an importable callable that takes the node's keys; the paths checked."""
+    checked = []
+    for where, node in _targets(cfg):
+        fn = get_object(node["_target_"])
+        params = inspect.signature(fn).parameters
+        keys = {k for k in node if not k.startswith("_")}
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            assert keys <= set(params), f"{where}: {node['_target_']} takes no {sorted(keys - set(params))}"
+        checked.append(where)
+    return checked
+
+
 @pytest.mark.parametrize("exp", EXPERIMENTS)
-def test_every_experiment_composes_and_resolves(exp, tmp_path):
+def test_every_experiment_composes_resolves_and_names_real_objects(exp, tmp_path):
     entry = "train" if exp in TRAIN_EXPERIMENTS else "eval"
-    OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}"], tmp_path), resolve=True)
+    cfg = OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}"], tmp_path), resolve=True)
+    checked = _check_targets(cfg)
+    if entry == "train":  # what train.py builds: data, module (with its network), trainer
+        assert {"data", "module", "module.net", "trainer"} <= set(checked), checked
+        assert cfg["module"]["_target_"].startswith("specgen.modules.")
+        assert PRODUCERS[cfg["export_name"]] == exp  # the shipped folder it writes names it as its producer
+    else:  # what eval.py builds: the generator and each strategy's function
+        assert "generator" in checked and any(w.endswith("fn") for w in checked), checked
+        assert cfg["generator"]["_target_"] == "specgen.backbones.loading.load_shapes_generator"
 
 
-def test_every_config_group_option_composes(tmp_path):
+def test_every_config_group_option_composes_and_builds(tmp_path):
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
     for decoding in [p.stem for p in Path(CONFIG_DIR, "decoding").glob("*.yaml")]:
-        OmegaConf.to_container(compose_cfg("eval", [f"decoding={decoding}"], tmp_path), resolve=True)
+        _check_targets(OmegaConf.to_container(compose_cfg("eval", [f"decoding={decoding}"], tmp_path), resolve=True))
     for drafter in [p.stem for p in Path(CONFIG_DIR, "drafter").glob("*.yaml")]:
-        OmegaConf.to_container(compose_cfg("train", ["experiment=fphi_shapes", f"drafter={drafter}"], tmp_path),
-                               resolve=True)
-    for debug in ("fast_dev_run", "overfit", "limit"):
-        OmegaConf.to_container(compose_cfg("train", [f"debug={debug}"], tmp_path), resolve=True)
-    for logger in ("wandb", "csv", "none"):
-        compose_cfg("train", [f"logger={logger}"], tmp_path)
-    for trainer in ("cpu", "gpu", "ddp"):
-        compose_cfg("train", [f"trainer={trainer}"], tmp_path)
+        cfg = compose_cfg("train", ["experiment=fphi_shapes", f"drafter={drafter}", "drafter.hidden_size=16"], tmp_path)
+        net = instantiate(cfg.drafter)
+        assert isinstance(net, torch.nn.Module) and net.hidden_size == 16 and net.directions, drafter
+        assert cfg.module.net.hidden_size == 16  # the distillation module trains the chosen drafter
+    debug = {d: compose_cfg("train", [f"debug={d}"], tmp_path) for d in ("fast_dev_run", "overfit", "limit")}
+    assert debug["fast_dev_run"].trainer.fast_dev_run is True and debug["fast_dev_run"].logger is None
+    assert debug["fast_dev_run"].callbacks is None and debug["overfit"].trainer.overfit_batches > 0
+    assert debug["limit"].trainer.max_steps == 20 and debug["limit"].trainer.limit_val_batches == 2
+    assert all(c.ckpt_path is None for c in debug.values())  # a debug run never resumes a real run
+    loggers = {lg: compose_cfg("train", [f"logger={lg}"], tmp_path).logger for lg in ("wandb", "csv", "none")}
+    wandb = instantiate(loggers["wandb"].wandb)
+    assert isinstance(wandb, WandbLogger) and Path(wandb.save_dir) == tmp_path / "out"
+    assert wandb._offline is True  # offline unless SPECGEN_WANDB_OFFLINE=false
+    csv = instantiate(loggers["csv"].csv)
+    assert isinstance(csv, CSVLogger) and Path(csv.save_dir) == tmp_path / "out"
+    assert not loggers["none"]
+    cpu = instantiate(compose_cfg("train", ["trainer=cpu"], tmp_path).trainer, logger=False, enable_checkpointing=False)
+    assert isinstance(cpu.accelerator, CPUAccelerator) and cpu.precision == "32-true" and cpu.max_steps == 1000
+    gpu, ddp = (compose_cfg("train", [f"trainer={t}"], tmp_path).trainer for t in ("gpu", "ddp"))  # no GPU here
+    assert (gpu.accelerator, gpu.devices, gpu.precision) == ("gpu", 1, "bf16-mixed")
+    assert (ddp.accelerator, ddp.devices, ddp.strategy) == ("gpu", 2, "ddp_spawn")
 
 
 @pytest.mark.parametrize("pair,target,draft", [("shapes", "mar_shapes", "mar_shapes_draft"),
@@ -76,6 +128,14 @@ def test_default_mar_pair_is_the_cpu_sized_one(tmp_path):
     assert Path(cfg["strategies"]["cspd"]["fn"]["draft"]["dirpath"]).name == "mar_p2_shapes_draft"
 
 
+VAL_METRICS = {"vq_shapes": ("val/psnr", "val/parser_acc"), "featnet_shapes": ("val/loss_main", "val/acc_main"),
+               "clip_shapes": ("val/loss", "val/acc_i2t"), "kl_shapes": ("val/psnr", "val/latent_std"),
+               "mar_shapes_train": ("val/loss",), "mar_shapes_cpu_train": ("val/loss",),
+               "mar_draft_train": ("val/loss_data",), "mar_draft_cpu_train": ("val/loss_data",),
+               "ar_shapes_train": ("val/loss", "val/loss_uncond"), "fphi_shapes": ("val/loss",),
+               "fphi_tokens_shapes": ("val/loss",), "mtp_shapes": ("val/loss",)}
+
+
 @pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
                                        ("clip_shapes", ["data.batch_size=4"]), ("kl_shapes", []), ("mar_shapes_train", []),
                                        ("mar_draft_train", []), ("mar_shapes_cpu_train", []),
@@ -91,7 +151,13 @@ def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
     base = [o for o in _tiny_train(exp, tiny_exports) if "val_geneval" not in o]  # the debug preset drops callbacks
     cfg = compose_cfg("train", base + extra + ["debug=fast_dev_run"], tmp_path)
     metrics = train(cfg)
-    assert metrics["train/loss"] > 0
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/loss"] > 0
+    for key in VAL_METRICS[exp]:  # the validation batch ran and logged the module's own measures
+        assert math.isfinite(metrics[key]), key
+        if "acc" in key:
+            assert 0 <= metrics[key] <= 1, key
+    if "val/psnr" in metrics:
+        assert 0 < metrics["val/psnr"] < 100
 
 
 def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_exports):
