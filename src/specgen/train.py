@@ -26,8 +26,9 @@ def _resume_path(cfg: DictConfig) -> str | None:
     return cfg.ckpt_path
 
 
-def _init_weights(module: L.LightningModule, dirpath: str) -> None:
-    """Start `module.net` from an exported model folder (fine-tuning / continued training with a new schedule)."""
+def _init_weights(module: L.LightningModule, dirpath: str, strict: bool = True) -> None:
+    """Start `module.net` from an exported model folder (fine-tuning / continued training with a new schedule);
+    `strict=False` lets parameters the export lacks keep their initialisation (a net grown from the export)."""
     from safetensors.torch import load_file
 
     weights = Path(dirpath) / "model.safetensors"
@@ -35,9 +36,13 @@ def _init_weights(module: L.LightningModule, dirpath: str) -> None:
         raise FileNotFoundError(f"init_from={dirpath!r} has no model.safetensors: give an exported model folder "
                                 f"(e.g. checkpoints/ar_shapes) or null")
     missing, unexpected = module.net.load_state_dict(load_file(str(weights)), strict=False)
-    if missing or unexpected:
+    if missing and not unexpected and not strict:
+        log.info("init_from=%s: %d parameters not in the export keep their initialisation (%s, ...)",
+                 dirpath, len(missing), missing[0])
+    elif missing or unexpected:
         raise ValueError(f"init_from={dirpath!r} does not match the configured network: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}; use the backbone/drafter config the export was made with")
+                         f"unexpected {unexpected[:5]}; use the backbone/drafter config the export was made with"
+                         + ("" if unexpected else ", or init_strict=false to grow a net from it"))
     log.info("initialised %s from %s", type(module.net).__name__, dirpath)
 
 
@@ -53,7 +58,7 @@ def train(cfg: DictConfig) -> dict:
         return {}
     module: L.LightningModule = instantiate(cfg.module, _convert_="all")
     if cfg.get("init_from"):
-        _init_weights(module, cfg.init_from)
+        _init_weights(module, cfg.init_from, cfg.get("init_strict", True))
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
     if not loggers:  # nothing to monitor into (logger=none)

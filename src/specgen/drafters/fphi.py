@@ -23,28 +23,37 @@ PRESETS = {  # name -> (width multiplier of the backbone's hidden size, residual
 DIRECTIONS = ("right", "down")
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
-
-    def forward(self, x):
-        return x + self.mlp(self.norm(x))
-
-
 class _RowMixer(nn.Module):
-    """Residual 1-D convolution along the row axis: (..., W, C) -> (..., W, C)."""
+    """Residual 1-D convolution along the row axis: (..., W, C) -> (..., W, C). Zero-initialised, so a
+    net with mixers starts as the same net without them (a point-wise f_phi can be fine-tuned into one)."""
 
     def __init__(self, width: int, kernel: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.conv = nn.Conv1d(width, width, kernel, padding=kernel // 2)  # zero padding past the row's ends
+        nn.init.zeros_(self.conv.weight)
+        nn.init.zeros_(self.conv.bias)
 
     def forward(self, x):
         shape = x.shape
         y = self.norm(x).reshape(-1, shape[-2], shape[-1]).transpose(1, 2)  # (N, C, W)
         return x + torch.nn.functional.silu(self.conv(y)).transpose(1, 2).reshape(shape)
+
+
+class _Block(nn.Module):
+    """Residual MLP block, optionally after a row mixer (`kernel`: context along the row axis)."""
+
+    def __init__(self, width: int, kernel: int | None = None):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.SiLU(), nn.Linear(2 * width, width))
+        if kernel:
+            self.mix = _RowMixer(width, kernel)
+
+    def forward(self, x):
+        if hasattr(self, "mix"):
+            x = self.mix(x)
+        return x + self.mlp(self.norm(x))
 
 
 def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, width_mult: int | None,
@@ -60,12 +69,9 @@ def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, 
     mult, n_blocks = PRESETS[preset]
     width = (width_mult or mult) * hidden_size
     context = context or {}
-
-    def body(d):
-        k = context.get(d)
-        return [m for _ in range(blocks or n_blocks) for m in ([_RowMixer(width, k)] if k else []) + [_Block(width)]]
     return nn.ModuleDict({
-        d: nn.Sequential(nn.Linear(in_size, width), *body(d), nn.LayerNorm(width), nn.Linear(width, out_size))
+        d: nn.Sequential(nn.Linear(in_size, width), *[_Block(width, context.get(d)) for _ in range(blocks or n_blocks)],
+                         nn.LayerNorm(width), nn.Linear(width, out_size))
         for d in directions})
 
 

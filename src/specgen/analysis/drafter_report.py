@@ -1,0 +1,91 @@
+"""How well do SSD drafters serve the backbone? Per direction, on held-out teacher samples: top-1 agreement,
+expected acceptance under the CFG-guided distributions (sum min(p, q): drafts sampled from q; p(argmax q):
+drafts taken greedily), the guided KL, and the drafter's size and cost per drafted token against the backbone's.
+
+    python -m specgen.analysis.drafter_report --drafters checkpoints/fphi_shapes <export> ... \
+        --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \
+        --shards data/distill/<key>/val_00000.npz --cfg-scale 2 --out logs/drafter_report.json
+
+The shards are those the distillation stage writes (`data/distill/<key>/val_*.npz`, a key per backbone and
+sampling settings); use a validation shard, never one a drafter was trained on. FLOPs per drafted token count
+2 x the multiply-accumulates of the direction's linear and convolution layers; the backbone's count its
+transformer blocks and head (attention over the context not included), i.e. both are lower bounds of like kind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader
+
+from specgen.modules.distill_data import TeacherShards
+from specgen.modules.distill_module import DistillModule
+from specgen.utils.checkpoints import atomic_write_text, load_exported
+
+METRICS = ("top1", "accept", "accept_argmax", "loss_guided_kl")
+
+
+def matmul_flops(module: nn.Module) -> int:
+    """2 x multiply-accumulates per position of the module's Linear and Conv1d layers."""
+    return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
+
+
+def backbone_flops(backbone) -> int:
+    """Per-token matmul FLOPs of the backbone's blocks and head (the embedding table is a lookup)."""
+    return matmul_flops(backbone.model.model.layers) + matmul_flops(backbone.model.lm_head)
+
+
+@torch.no_grad()
+def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: list[str], cfg_scale: float,
+             batch_size: int = 16) -> dict:
+    """Mean per-direction metrics of one exported drafter over the shards' sequences."""
+    module = DistillModule(load_exported(drafter_dir), backbone_dir, tokenizer_dir, cfg_scale=cfg_scale)
+    module.eval()
+    sums: dict[str, float] = {}
+    n = 0
+    for batch in DataLoader(TeacherShards([Path(s) for s in shards]), batch_size=batch_size):
+        out = module.losses(batch)
+        for key, value in out.items():
+            if key.split("_")[0] in ("top1", "accept", "loss") and "chain" not in key and key != "loss":
+                sums[key] = sums.get(key, 0.0) + float(value) * len(batch["ids"])
+        n += len(batch["ids"])
+    net, bb = module.net, module.backbone
+    row = {k: v / n for k, v in sums.items() if any(k.startswith(m + "_") for m in METRICS)}
+    row.update({"sequences": n, "params": sum(p.numel() for p in net.parameters()),
+                "backbone_params": sum(p.numel() for p in bb.parameters()),
+                "backbone_flops_per_token": backbone_flops(bb)})
+    for d in net.directions:
+        row[f"flops_per_draft_{d}"] = matmul_flops(net.nets[d])
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafters", nargs="+", required=True, help="exported drafter folders")
+    ap.add_argument("--backbone", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--shards", nargs="+", required=True, help="held-out teacher shards (val_*.npz)")
+    ap.add_argument("--cfg-scale", type=float, default=2.0, help="the CFG scale the drafter will serve")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args(argv)
+    for s in args.shards:
+        if not Path(s).is_file():
+            raise FileNotFoundError(f"--shards {s!r} is not a file: give val_*.npz files written by the distillation "
+                                    f"stage (python -m specgen.train experiment=fphi_shapes prepare_only=true)")
+    report = {d: evaluate(d, args.backbone, args.tokenizer, args.shards, args.cfg_scale) for d in args.drafters}
+    atomic_write_text(args.out, json.dumps(report, indent=2))
+    dirs = sorted({k.split("_")[-1] for r in report.values() for k in r if k.startswith("accept_")})
+    print(f"{'drafter':<32} {'params':>9} {'FLOPs/draft':>12} " +
+          " ".join(f"{m + '_' + d:>20}" for d in dirs for m in ("top1", "accept", "accept_argmax")))
+    for name, r in report.items():
+        flops = max(v for k, v in r.items() if k.startswith("flops_per_draft_"))
+        print(f"{Path(name).name:<32} {r['params']:>9d} {flops / r['backbone_flops_per_token']:>11.1%} " +
+              " ".join(f"{r.get(m + '_' + d, float('nan')):>20.3f}" for d in dirs for m in ("top1", "accept", "accept_argmax")))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""f_phi trained for acceptance: the row-context preset, the guided-distribution terms against a hand
+computation, the row layout of the down targets, the right-direction rollout, a distillation step, and the
+drafter report."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import tiny_llama
+from specgen.analysis import drafter_report
+from specgen.decoding import ar, ssd
+from specgen.decoding.sampling import make_generators
+from specgen.drafters.fphi import FPhi
+from specgen.modules.distill_data import DistillDataModule
+from specgen.modules.distill_module import DistillModule, guided_terms
+
+
+def test_row_context_drafter_starts_point_wise_and_then_sees_its_neighbours():
+    torch.manual_seed(0)
+    ctx, flat = FPhi(16, "xs", context_kernel=3), FPhi(16, "xs")
+    missing, unexpected = ctx.load_state_dict(flat.state_dict(), strict=False)
+    assert not unexpected and all(".mix." in k for k in missing)
+    for net in (ctx, flat):  # leave the identity start so that outputs depend on the inputs
+        torch.nn.init.normal_(net.nets["down"][-1].weight, std=0.1)
+    ctx.nets["down"][-1].weight.data.copy_(flat.nets["down"][-1].weight)
+    h, e = torch.randn(2, 6, 16), torch.randn(2, 6, 16)  # (B, W, D): a whole row above
+    assert torch.allclose(ctx.down(h, e), flat.down(h, e), atol=1e-6)  # zero-initialised mixers
+    torch.nn.init.normal_(ctx.nets["down"][1].mix.conv.weight, std=0.1)
+    h2 = h.clone()
+    h2[:, 3] += 1.0  # change column 3 of the row above
+    moved = (ctx.down(h2, e) - ctx.down(h, e)).abs().sum(-1)[0]  # (W,)
+    assert moved[2] > 0 and moved[4] > 0 and moved[0] == 0 and moved[5] == 0  # kernel 3: columns 2..4 only
+    moved_flat = (flat.down(h2, e) - flat.down(h, e)).abs().sum(-1)[0]
+    assert moved_flat[3] > 0 and (moved_flat[[0, 1, 2, 4, 5]] == 0).all()  # point-wise: column 3 only
+    assert ctx.right(h[:, 0], e[:, 0]).shape == (2, 16)  # the right direction stays point-wise
+
+
+def test_row_context_errors_name_the_value():
+    with pytest.raises(ValueError, match="context_kernel=4: expected an odd kernel"):
+        FPhi(16, "xs", context_kernel=4)
+    with pytest.raises(ValueError, match=r"directions=\['right'\]: add 'down' or set context_kernel=null"):
+        FPhi(16, "xs", directions=("right",), context_kernel=3)
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., W, D\) inputs, got \(2, 16\)"):
+        FPhi(16, "xs", context_kernel=3).down(torch.randn(2, 16), torch.randn(2, 16))
+
+
+def test_guided_terms_match_a_hand_computation():
+    torch.manual_seed(0)
+    t, d = torch.randn(2 * 3, 5), torch.randn(2 * 3, 5)  # [cond; uncond] logits of 3 positions
+    s = 2.0
+    p = torch.softmax(t[3:] + s * (t[:3] - t[3:]), -1)
+    q = torch.softmax(d[3:] + s * (d[:3] - d[3:]), -1)
+    out = guided_terms(t, d, s)
+    assert torch.allclose(out["kl"], (p * (p.log() - q.log())).sum(-1), atol=1e-6)
+    assert torch.allclose(out["accept"], torch.minimum(p, q).sum(-1), atol=1e-6)
+    assert torch.allclose(out["accept_argmax"], p[torch.arange(3), q.argmax(-1)])
+    same = guided_terms(t, t, s)
+    assert torch.allclose(same["accept"], torch.ones(3)) and same["kl"].abs().max() < 1e-6
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_exports, tmp_path_factory):
+    """A distillation data module with one tiny train and one val shard of teacher samples."""
+    dm = DistillDataModule(str(tiny_exports / "ar"), str(tiny_exports / "vq"), str(tmp_path_factory.mktemp("distill")),
+                           train_shards=1, val_shards=1, shard_size=4, sample_batch=4, cfg_scale=2.0, batch_size=2)
+    dm.prepare_data()
+    dm.setup()
+    return dm
+
+
+def _module(tiny_exports, **kw):
+    torch.manual_seed(0)
+    return DistillModule(FPhi(64, "xs", context_kernel=kw.pop("context_kernel", None)), str(tiny_exports / "ar"),
+                         str(tiny_exports / "vq"), **kw)
+
+
+def test_down_targets_are_one_row_below_and_right_chains_its_own_predictions(tiny_exports, teacher):
+    """With the identity start (pred = input state), every regression term is a hand-computable distance
+    between teacher states: down pairs (r, c) -> (r + 1, c) over whole rows, right's chain step k pairs q -> q + k."""
+    m = _module(tiny_exports, rollout=2).eval()
+    batch = next(iter(teacher.train_dataloader()))
+    out = m.losses(batch)
+    s = batch["states"].transpose(0, 1).flatten(0, 1)  # (2B, L, D)
+    g = m.backbone.grid
+
+    def feat(pred, target):
+        return (((pred - target) / target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)) ** 2).mean()
+    idx = torch.tensor([r * g.stride + c for r in range(g.height - 1) for c in range(g.width)])
+    assert torch.allclose(out["loss_feat_down"], feat(s[:, idx], s[:, idx + g.stride]), atol=1e-5)
+    assert torch.allclose(out["loss_feat_right"], feat(s[:, :-1], s[:, 1:]), atol=1e-5)
+    assert torch.allclose(out["loss_feat_right_chain2"], feat(s[:, :-2], s[:, 2:]), atol=1e-5)
+    assert "loss_feat_right_chain3" not in out
+
+
+def test_a_distillation_step_on_the_guided_loss_raises_expected_acceptance(tiny_exports, teacher):
+    """Steps on a fixed batch with the guided term (KL and TV) raise sum min(p, q) of the guided distributions;
+    the loss includes the guided term at its weight."""
+    batch = next(iter(teacher.train_dataloader()))
+    for loss in ("kl", "tv"):
+        m = _module(tiny_exports, guided_weight=1.0, guided_loss=loss, kl_weight=0.0, context_kernel=3)
+        with torch.no_grad():
+            before = m.losses(batch)
+            off = _module(tiny_exports, guided_weight=0.0, kl_weight=0.0, context_kernel=3).losses(batch)
+        guided = before["loss_guided_kl_down"] if loss == "kl" else 1 - before["accept_down"]
+        assert torch.allclose(before["loss"] - off["loss"],
+                              guided + (before["loss_guided_kl_right"] if loss == "kl" else 1 - before["accept_right"]),
+                              atol=1e-4)
+        opt = torch.optim.Adam(m.net.parameters(), lr=3e-3)
+        for _ in range(30):
+            opt.zero_grad()
+            m.losses(batch)["loss"].backward()
+            opt.step()
+        with torch.no_grad():
+            after = m.losses(batch)
+        assert after["accept_down"] > before["accept_down"], loss
+        assert 1 - after["accept_down"] < 0.8 * (1 - before["accept_down"]), loss  # a fifth of the rejections gone
+        assert after["loss"] < before["loss"]
+
+
+def test_bad_distillation_options_name_the_value(tiny_exports):
+    with pytest.raises(ValueError, match="module.guided_loss='l2'"):
+        _module(tiny_exports, guided_loss="l2")
+    with pytest.raises(ValueError, match="module.rollout"):
+        _module(tiny_exports, rollout=0)
+
+
+@pytest.mark.parametrize("eol", [True, False])
+def test_ssd_with_a_row_context_drafter_equals_greedy_ar(eol):
+    m = tiny_llama(eol=eol)
+    torch.manual_seed(1)
+    drafter = FPhi(m.hidden_size, "xs", context_kernel=3)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.05)  # an imperfect drafter: many rejections
+    prompts = m.prompt_ids(["a red circle", "two blue squares"])
+    ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
+    for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
+        out, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, temperature=0, **kw)
+        assert torch.equal(out, ref), kw
+    _, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, rounds=1, carry=True, generators=make_generators([0, 1]))
+    assert st["nfe"] < m.grid.num_visual_tokens
+
+
+def test_drafter_report_scores_exports_and_writes_json(tiny_exports, teacher, tmp_path):
+    shard = str(teacher.shard_path("val", 0))
+    out = tmp_path / "report.json"
+    report = drafter_report.main(["--drafters", str(tiny_exports / "fphi"), "--backbone", str(tiny_exports / "ar"),
+                                  "--tokenizer", str(tiny_exports / "vq"), "--shards", shard, "--out", str(out)])
+    row = json.loads(out.read_text())[str(tiny_exports / "fphi")]
+    assert row == pytest.approx(report[str(tiny_exports / "fphi")])
+    assert row["sequences"] == 4
+    for d in ("right", "down"):
+        assert 0 < row[f"accept_{d}"] <= 1 and 0 <= row[f"accept_argmax_{d}"] <= 1 and 0 <= row[f"top1_{d}"] <= 1
+        assert 0 < row[f"flops_per_draft_{d}"] < row["backbone_flops_per_token"]
+    with pytest.raises(FileNotFoundError, match="--shards 'nope.npz' is not a file"):
+        drafter_report.main(["--drafters", "x", "--backbone", "x", "--tokenizer", "x", "--shards", "nope.npz",
+                             "--out", str(out)])
