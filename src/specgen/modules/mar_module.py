@@ -111,16 +111,21 @@ class MARDraftModule(_Base):
     trajectories, an approximation. The epsilon MSE over uniform t spends most of its samples between
     the sampler's 100 timesteps and weighs every step alike, while the KL weighs the last steps (small
     variance: the standardised gap grows as 1 / sigma) by what they cost in acceptance. Measured on the
-    CPU-sized pair over 398 steps it lowered acceptance (experiments/cspd_ablations), so it is off by default."""
+    CPU-sized pair over 398 steps it lowered acceptance (experiments/cspd_ablations), so it is off by default.
+
+    `uncond_prob` > 0 distils both CFG branches: that share of the images is distilled with the null condition
+    for draft and target alike. Sampling uses u + s (c - u), so with guidance s the draft's errors on either
+    branch reach the token amplified; 0 (the shipped draft) distils the conditional branch only."""
 
     def __init__(self, net: ShapesMAR, target_dir: str, lr: float = 1e-3, weight_decay: float = 0.0,
                  warmup_steps: int = 200, data_weight: float = 0.5, ema_decay: float | None = None,
-                 kl_weight: float = 0.0):
+                 kl_weight: float = 0.0, uncond_prob: float = 0.0):
         super().__init__()
         from specgen.utils.checkpoints import load_exported
 
         if not kl_weight >= 0:
             raise ValueError(f"module.kl_weight must be >= 0, got {kl_weight!r} (0 turns the transition KL off)")
+        expect_float("module.uncond_prob", uncond_prob, 0.0, 1.0)
 
         self.save_hyperparameters(ignore=["net"])
         self.net = net
@@ -141,9 +146,14 @@ class MARDraftModule(_Base):
         x0 = self.net.patchify(latents)
         B, Lq, d = x0.shape
         mask, known = self.net.random_mask(B, x0.device)
-        z_d = self.net.conditions(x0, mask, self.net.condition(prompts), known)
+        cond_d, cond_t = self.net.condition(prompts), self.target.condition(prompts)
+        if self.hparams.uncond_prob > 0:  # the unconditional branch, the same images for both models
+            null = (torch.rand(B, 1, 1, device=x0.device) < self.hparams.uncond_prob)
+            cond_d = torch.where(null, self.net.null_condition(B), cond_d)
+            cond_t = torch.where(null, self.target.null_condition(B), cond_t)
+        z_d = self.net.conditions(x0, mask, cond_d, known)
         with torch.no_grad():
-            z_t = self.target.conditions(x0, mask, self.target.condition(prompts), known)
+            z_t = self.target.conditions(x0, mask, cond_t, known)
         sel = mask.reshape(-1) > 0.5
         diff = self.net.diffusion
         x = x0.reshape(-1, d)[sel]
