@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file
 
 from specgen.utils.hydra import CONFIG_DIR, task_wrapper
 
@@ -29,8 +30,6 @@ def _resume_path(cfg: DictConfig) -> str | None:
 def _init_weights(module: L.LightningModule, dirpath: str, strict: bool = True) -> None:
     """Start `module.net` from an exported model folder (fine-tuning / continued training with a new schedule);
     `strict=False` lets parameters the export lacks keep their initialisation (a net grown from the export)."""
-    from safetensors.torch import load_file
-
     weights = Path(dirpath) / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"init_from={dirpath!r} has no model.safetensors: give an exported model folder "

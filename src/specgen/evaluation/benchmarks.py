@@ -1,8 +1,15 @@
 """Benchmarks as objects: which (prompt, seed) jobs they need, and how they score the images."""
 from __future__ import annotations
 
+import random
+
+from specgen.evaluation import dpg_bench
+from specgen.evaluation.clipscore import clip_score, cosines, load_clip
 from specgen.evaluation.generate import Job, job_seed
-from specgen.evaluation.geneval import TASKS, ShapesDetector, Thresholds, evaluate, read_metadata, summarize
+from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evaluate, read_metadata, summarize,
+                                        write_official_layout)
+from specgen.world import render, scene_for
+from specgen.world.prompts import DEFAULT_MIX, prompts, sample_prompt
 
 
 class GenEval:
@@ -25,8 +32,6 @@ class GenEval:
         if self.metadata_file is not None:
             items = read_metadata(self.metadata_file)
         else:
-            from specgen.world.prompts import prompts
-
             items = [m for t in TASKS for m in prompts(t, self.split)[: self.prompts_per_task]]
         return items
 
@@ -48,8 +53,6 @@ class GenEval:
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
         if self.layout_dir is not None:  # the official evaluator can be run on this folder
-            from specgen.evaluation.geneval import write_official_layout
-
             items: dict[str, tuple[dict, list]] = {}
             for job, image in zip(jobs, images):
                 items.setdefault(job.prompt, (job.meta, []))[1].append(image)
@@ -68,28 +71,22 @@ class DPGBench:
     name = "dpg"
 
     def __init__(self, split: str = "test", num_prompts: int = 24, mode: str = "fixed", vqa=None, seed: int = 0):
-        import random
-
-        from specgen.evaluation.dpg_bench import MODES, ShapesOracle
-        from specgen.world.prompts import sample_prompt
-
-        if mode not in MODES:
-            raise ValueError(f"unknown DPG-Bench mode {mode!r}: expected one of {MODES}")
+        if mode not in dpg_bench.MODES:
+            raise ValueError(f"unknown DPG-Bench mode {mode!r}: expected one of {dpg_bench.MODES}")
         rng = random.Random(seed)
         self.items = [sample_prompt(rng, "dense", split) for _ in range(num_prompts)]
-        self.mode, self.vqa = mode, vqa or ShapesOracle()
+        self.mode, self.vqa = mode, vqa or dpg_bench.ShapesOracle()
 
     def jobs(self, seed: int) -> list[Job]:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        from specgen.evaluation.dpg_bench import make_grid, score_image, shapes_questions, summarize
-
         scores, cats, rows, failed = [], {}, [], 0
         for i in range(0, len(jobs), 4):
             meta = jobs[i].meta
             try:
-                s, per_cat = score_image(make_grid(list(images[i:i + 4])), shapes_questions(meta), self.vqa, self.mode)
+                s, per_cat = dpg_bench.score_image(dpg_bench.make_grid(list(images[i:i + 4])),
+                                                   dpg_bench.shapes_questions(meta), self.vqa, self.mode)
             except Exception as e:  # counted, never silently dropped
                 failed += 1
                 rows.append({"benchmark": self.name, "tag": "dense", "prompt": meta["prompt"], "seed": jobs[i].seed,
@@ -100,15 +97,11 @@ class DPGBench:
                 cats.setdefault(k, []).extend(v)
             rows.append({"benchmark": self.name, "tag": "dense", "prompt": meta["prompt"], "seed": jobs[i].seed,
                          "correct": s, "reason": ""})
-        return summarize(scores, cats, failed), rows
+        return dpg_bench.summarize(scores, cats, failed), rows
 
 
-def _mixed_prompts(split: str, n: int, seed: int) -> list[dict]:
+def mixed_prompts(split: str, n: int, seed: int) -> list[dict]:
     """n prompts of a split drawn from the training mixture of tasks (dense prompts included)."""
-    import random
-
-    from specgen.world.prompts import DEFAULT_MIX, sample_prompt
-
     rng = random.Random(seed)
     return [sample_prompt(rng, rng.choices(list(DEFAULT_MIX), weights=list(DEFAULT_MIX.values()))[0], split)
             for _ in range(n)]
@@ -122,14 +115,12 @@ class CLIPScore:
     def __init__(self, checkpoint: str, model_name: str = "shapes-clip", split: str = "test", num_prompts: int = 64,
                  seed: int = 1):
         self.checkpoint, self.model_name = checkpoint, model_name
-        self.items = _mixed_prompts(split, num_prompts, seed)
+        self.items = mixed_prompts(split, num_prompts, seed)
 
     def jobs(self, seed: int) -> list[Job]:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        from specgen.evaluation.clipscore import clip_score, cosines, load_clip
-
         model, preprocess, tokenizer = load_clip(self.model_name, self.checkpoint)
         cos = cosines(model, preprocess, tokenizer, list(images), [j.prompt for j in jobs])
         rows = [{"benchmark": self.name, "tag": j.meta["tag"], "prompt": j.prompt, "seed": j.seed,
@@ -146,21 +137,17 @@ class Fidelity:
     def __init__(self, extractor_dir: str | None = None, inception_weights: str | None = None, split: str = "test",
                  num_prompts: int = 256, cache_dir: str | None = None, seed: int = 2):
         self.extractor_dir, self.inception_weights, self.cache_dir = extractor_dir, inception_weights, cache_dir
-        self.items = _mixed_prompts(split, num_prompts, seed)
+        self.items = mixed_prompts(split, num_prompts, seed)
 
     def jobs(self, seed: int) -> list[Job]:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
 
     def reference(self) -> list:
-        import random
-
-        from specgen.world import render, scene_for
-
         rng = random.Random(12345)
         return [render(scene_for(m, rng)) for m in self.items]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        from specgen.evaluation.fidelity import fidelity
+        from specgen.evaluation.fidelity import fidelity  # deferred: torch-fidelity takes seconds to import
 
         out = fidelity(list(images), self.reference(), self.extractor_dir, self.inception_weights, self.cache_dir)
         return out, []

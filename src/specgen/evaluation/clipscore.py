@@ -19,7 +19,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "open_clip"
 
 def load_clip(model_name: str = "shapes-clip", checkpoint: str | None = None, device: str = "cpu"):
     """(model, preprocess, tokenizer) of an open_clip model, offline; `checkpoint` is a local file."""
-    import open_clip
+    import open_clip  # deferred: it takes seconds to import, and only CLIP scoring needs it
 
     if (CONFIG_DIR / f"{model_name}.json").is_file():
         open_clip.add_model_config(CONFIG_DIR)

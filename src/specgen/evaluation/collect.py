@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from specgen.utils.checkpoints import atomic_write_csv
+from specgen.utils.plots import pyplot
 
 
 def collect(root: str | Path, pattern: str | list[str] = "") -> list[dict]:
@@ -58,11 +59,7 @@ def pareto_plot(rows: list[dict], x: str, y: str, path: str | Path, label: str =
     pts = [(r[x], r[y], r) for r in rows if isinstance(r.get(x), float) and isinstance(r.get(y), float)]
     if not pts:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     varying = [c for c in dict.fromkeys(k for r in rows for k in r) if "/" not in c and c not in ("job", label)
                and len({str(r.get(c)) for r in rows}) > 1]
     fig, ax = plt.subplots(figsize=(5, 4), dpi=120)

@@ -21,6 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
+from specgen.world.parse import parse
+from specgen.world.prompts import REGIONS
+
 COLUMNS = ("item_id", "text", "keywords", "proposition_id", "dependency", "category_broad",
            "category_detailed", "tuple", "question_natural_language")
 MODES = ("official", "fixed")
@@ -165,9 +168,6 @@ class ShapesOracle:
     """Answers shapes-world questions from the exact parser ("yes" iff some detected object fits)."""
 
     def answer(self, image: np.ndarray, question: Question) -> str:
-        from specgen.world.parse import parse
-        from specgen.world.prompts import REGIONS
-
         kind = question.category
         args = [a.strip() for a in question.tuple.split("(", 1)[1].rstrip(")").split(",")]
         h, w = image.shape[:2]

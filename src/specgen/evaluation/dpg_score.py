@@ -16,6 +16,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from specgen.evaluation.dpg_bench import MODES, read_questions, score_image, summarize
+from specgen.evaluation.real_models import TransformersVQA
 
 
 def score_folder(folder: str | Path, questions: dict, vqa, mode: str = "fixed", num_crops: int = 4) -> dict:
@@ -42,8 +43,6 @@ def main() -> None:
     ap.add_argument("--mode", choices=MODES, default="fixed")
     ap.add_argument("--crops", type=int, default=4, help="tiles scored per grid (the released script defaults to 1)")
     args = ap.parse_args()
-    from specgen.evaluation.real_models import TransformersVQA
-
     res = score_folder(args.folder, read_questions(args.csv, args.mode), TransformersVQA(args.vqa), args.mode, args.crops)
     print(json.dumps(res, indent=2))
 

@@ -15,6 +15,9 @@ import torch
 import torch_fidelity
 from torch.utils.data import Dataset
 from torch_fidelity.feature_extractor_base import FeatureExtractorBase
+from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
+
+from specgen.utils.checkpoints import load_exported
 
 EXTRACTOR = "specgen-shapes"
 
@@ -24,8 +27,6 @@ class _ShapesExtractor(FeatureExtractorBase):
 
     def __init__(self, name, features_list, feature_extractor_weights_path=None, **kwargs):
         super().__init__(name, features_list)
-        from specgen.utils.checkpoints import load_exported
-
         if feature_extractor_weights_path is None:
             raise ValueError("the specgen-shapes extractor needs feature_extractor_weights_path=<exported folder>")
         self.net = load_exported(feature_extractor_weights_path).float().eval()
@@ -53,8 +54,6 @@ class _ShapesExtractor(FeatureExtractorBase):
 
 
 def _register() -> None:
-    from torch_fidelity.registry import FEATURE_EXTRACTORS_REGISTRY
-
     if EXTRACTOR not in FEATURE_EXTRACTORS_REGISTRY:  # the registry is global: register once per process
         torch_fidelity.register_feature_extractor(EXTRACTOR, _ShapesExtractor)
 

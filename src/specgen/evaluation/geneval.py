@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from PIL import Image
 
+from specgen.utils.checkpoints import atomic_write_text
+from specgen.world.parse import parse
 from specgen.world.scene import relations
 
 TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -45,8 +48,6 @@ class ShapesDetector:
         self.any_size = any_size
 
     def detect(self, image: np.ndarray) -> list[Object]:
-        from specgen.world.parse import parse
-
         return [Object(d.shape, tuple(float(v) for v in d.box), d.score, d.color)
                 for d in parse(image, any_size=self.any_size)]
 
@@ -142,10 +143,6 @@ def read_metadata(path: str | Path) -> list[dict]:
 def write_official_layout(root: str | Path, items: list[tuple[dict, list[np.ndarray]]]) -> Path:
     """Write images in the official evaluator's layout: <root>/<NNNNN>/metadata.jsonl (one JSON object)
     and <root>/<NNNNN>/samples/<NNNN>.png, one folder per prompt in the given order."""
-    from PIL import Image
-
-    from specgen.utils.checkpoints import atomic_write_text
-
     root = Path(root)
     for i, (meta, images) in enumerate(items):
         folder = root / f"{i:05d}"
@@ -158,8 +155,6 @@ def write_official_layout(root: str | Path, items: list[tuple[dict, list[np.ndar
 
 def read_official_layout(root: str | Path) -> list[tuple[dict, list[np.ndarray]]]:
     """Read a folder in the official layout back (only .png samples, as the official evaluator does)."""
-    from PIL import Image
-
     root = Path(root)
     out = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p.name.isdigit()):

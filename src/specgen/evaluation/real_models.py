@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from specgen.evaluation.clipscore import load_clip
 from specgen.evaluation.geneval import Object
 
 GENEVAL_COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
@@ -33,8 +34,6 @@ class OpenClipColorClassifier:
 
     def __init__(self, model_name: str, checkpoint: str | None = None, device: str = "cpu",
                  colors: tuple[str, ...] = GENEVAL_COLORS):
-        from specgen.evaluation.clipscore import load_clip
-
         if checkpoint is not None:
             _need(checkpoint, "open_clip checkpoint")
         self.model, self.preprocess, self.tokenizer = load_clip(model_name, checkpoint, device)
@@ -63,7 +62,7 @@ class TransformersDetector:
 
     def __init__(self, model_path: str, color_classifier: OpenClipColorClassifier | None = None,
                  min_score: float = 0.05, device: str = "cpu", background: int = 153):
-        from transformers import AutoImageProcessor, AutoModelForObjectDetection
+        from transformers import AutoImageProcessor, AutoModelForObjectDetection  # deferred: seconds to import
 
         path = _need(model_path, "object-detection checkpoint")
         self.processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
@@ -92,7 +91,7 @@ class TransformersVQA:
     """DPG-Bench answerer from a local transformers VQA checkpoint (classification heads such as ViLT)."""
 
     def __init__(self, model_path: str, device: str = "cpu"):
-        from transformers import AutoModelForVisualQuestionAnswering, AutoProcessor
+        from transformers import AutoModelForVisualQuestionAnswering, AutoProcessor  # deferred, as above
 
         path = _need(model_path, "VQA checkpoint")
         self.processor = AutoProcessor.from_pretrained(path, local_files_only=True)

@@ -10,9 +10,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
+from specgen.backbones.loading import weights_id
+from specgen.evaluation.benchmarks import mixed_prompts
+from specgen.evaluation.entropy import token_entropy
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS
+from specgen.evaluation.speed import compare
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
+from specgen.utils.plots import pyplot
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +83,6 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
 def run_speed(cfg: DictConfig) -> dict[str, float]:
     """Every strategy of `cfg.strategies` on the same prompts and seeds: quality on the configured
     benchmarks (if any), then speed side by side (the first strategy is the reference)."""
-    from specgen.evaluation.benchmarks import _mixed_prompts
-    from specgen.evaluation.speed import compare
-
     out_dir = Path(cfg.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone = instantiate(cfg.generator)
@@ -93,7 +95,7 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
-    prompts = [m["prompt"] for m in _mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
+    prompts = [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
     speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
@@ -105,8 +107,6 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
                 metrics[key.replace("/nfe", "/accept_len")] = grid.num_visual_tokens / speed[key]
     ref = next(iter(cfg.strategies.values()))
     if grid is not None and ref.name == "ar" and cfg.speed.get("entropy_prompts", 0):
-        from specgen.evaluation.entropy import token_entropy
-
         fn = ref.fn
         ent = token_entropy(backbone, prompts[: cfg.speed.entropy_prompts], fn.get("cfg_scale", 1.0),
                             fn.get("temperature", 1.0), fn.get("top_k"), seed=cfg.seed)
@@ -149,10 +149,7 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
 
 def speed_quality_png(metrics: dict[str, float], names: list[str], path: Path, batch_size: int) -> None:
     """GenEval overall (95% interval) against the wall-clock speed-up at `batch_size`, one point per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
     for n in names:
@@ -202,10 +199,7 @@ def _benchmarks(cfg: DictConfig) -> list:
 
 def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
     """Heat map of the per-position acceptance rate (H, W), written as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(4, 3.6), dpi=120)
     im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
@@ -220,8 +214,6 @@ def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
 
 def _weights_ids(node) -> list[str]:
     """Weights identities of every exported model a decoding config loads (drafters): part of the cache key."""
-    from specgen.backbones.loading import weights_id
-
     if isinstance(node, dict):
         here = [weights_id(node["dirpath"])] if "dirpath" in node else []
         return here + [i for v in node.values() for i in _weights_ids(v)]

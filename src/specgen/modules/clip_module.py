@@ -20,7 +20,7 @@ class ClipModule(L.LightningModule):
         expect_float("module.lr", lr, 0.0)
         self.save_hyperparameters(ignore=["net"])
         self.net = net
-        import open_clip
+        import open_clip  # deferred, as in evaluation.clipscore: seconds to import
 
         self.tokenizer = open_clip.get_tokenizer(model_name)
 

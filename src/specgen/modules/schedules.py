@@ -1,6 +1,8 @@
 """Learning-rate schedules shared by the LightningModules."""
 import math
 
+import torch
+
 
 def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
     """Multiplier: linear warmup to 1, then cosine decay to `floor` at `total` steps."""
@@ -13,8 +15,6 @@ def warmup_cosine(step: int, warmup: int, total: int, floor: float = 0.1) -> flo
 def adamw_warmup_cosine(module, params, lr: float, warmup_steps: int, weight_decay: float = 0.0,
                         betas=(0.9, 0.999)) -> dict:
     """configure_optimizers() result: AdamW with a per-step warmup-cosine schedule over the whole fit."""
-    import torch
-
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas))
     fallback = max(module.trainer.estimated_stepping_batches, 1)
 

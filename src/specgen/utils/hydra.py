@@ -5,6 +5,7 @@ import functools
 import logging
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
@@ -23,11 +24,8 @@ def autocast_precision(accelerator: str = "cpu", cpuinfo: str = "/proc/cpuinfo")
     Configs use it as `${specgen_autocast_precision:${trainer.accelerator}}`."""
     if accelerator in ("gpu", "cuda", "mps"):
         return "bf16-mixed"
-    if accelerator == "auto":
-        import torch
-
-        if torch.cuda.is_available():
-            return "bf16-mixed"
+    if accelerator == "auto" and torch.cuda.is_available():
+        return "bf16-mixed"
     try:
         flags = set(Path(cpuinfo).read_text().split())
     except OSError:  # not Linux: no way to tell, take the safe choice
@@ -44,7 +42,7 @@ def register_resolvers() -> None:
 
 def close_wandb() -> None:
     try:
-        import wandb
+        import wandb  # deferred and optional: seconds to import, and a run may log without it
     except ImportError:
         return
     if wandb.run is not None:

@@ -1,0 +1,13 @@
+"""Plotting for the PNGs that runs write."""
+from __future__ import annotations
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. Imported on first use, not at the top of a module: it takes a
+    second or two, and choosing the backend at import time would change it for a caller's notebook too."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
