@@ -86,7 +86,7 @@ def test_drafter_kind_mismatches_suggest_the_right_command():
     assert "fphi_shapes" not in str(err.value)
     heads.backbone_id = "aaaa"
     m.identity = "bbbb-cccc"
-    with pytest.raises(ValueError, match=r"MTP checkpoint.*distilled from backbone weights 'aaaa'.*experiment=mtp_shapes"):
+    with pytest.raises(ValueError, match=r"MTP checkpoint.*from backbone weights 'aaaa'.*experiment=mtp_shapes"):
         mtp1d.generate(m, p, heads, temperature=0)
     with pytest.raises(ValueError, match=r"token-id drafter.*width 32.*experiment=fphi_tokens_shapes"):
         ssd.generate(m, p, TokenDrafter(32, 24, "xs"), temperature=0)
