@@ -273,3 +273,32 @@ def test_exported_drafter_carries_the_backbone_it_was_distilled_from(tmp_path):
     export(tmp_path / "d", FPhi(32, "xs"), cfg, extra={"backbone_id": "1234abcd"})
     assert load_exported(tmp_path / "d").backbone_id == "1234abcd"
     assert json.loads((tmp_path / "d" / "extra.json").read_text())["backbone_id"] == "1234abcd"
+
+
+def test_carry_images_progress_alone_in_a_batch():
+    """Per-image rows: an image's tokens and its pass count are those it gets at batch 1 (greedy and sampled),
+    the batch's passes are its slowest image's without a lead bound, and more with max_lead=0 (lockstep rows)."""
+    m = tiny(True, grid=6)
+    prompts = PROMPTS + ["a green diamond"]
+    p = m.prompt_ids(prompts)
+    for temperature in (0.0, 1.0):
+        kw = dict(cfg_scale=3.0, temperature=temperature, rounds=1, carry=True)
+        out, st = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), max_lead=None, **kw)
+        for i in range(4):
+            one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), generators=make_generators([i]), **kw)
+            assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"] == st1["image_passes"][0]
+        assert st["nfe"] == st["image_passes"].max()
+        assert len(set(st["image_passes"].tolist())) > 1  # images do differ in the passes they need
+        _, lock = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), max_lead=0, **kw)
+        assert torch.equal(lock["image_passes"], st["image_passes"]) and lock["nfe"] >= st["nfe"]
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    assert torch.equal(ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True,
+                                    max_lead=1)[0], ref)
+
+
+def test_options_that_do_not_combine_raise():
+    m = tiny(True)
+    with pytest.raises(ValueError, match="carry=True and exact=True do not combine"):
+        ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, exact=True)
+    with pytest.raises(ValueError, match="max_lead"):
+        ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, max_lead=-1)

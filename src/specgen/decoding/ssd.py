@@ -59,27 +59,38 @@ def _draft_right(run: SpecState, drafter, start: int, row: int,
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
 
 
-def _draft_down(run: SpecState, drafter, row: int,
+def _draft_down(run: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor | None = None,
                 draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All columns of `row` at once: f_phi.down(h_{P(row-1, c) - 1}, e(x_{row-1, c}))."""
+    """Rows `rows` (S,) of images `images` (S,; default: every image), all columns at once:
+    f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above."""
     g = run.g
-    above = g.position(row - 1, torch.arange(g.width, device=run.seq.device))  # (W,)
-    h = drafter.down(run.hid[:, above - 1], run.bb.embed(run.seq[:, above]))  # (B', W, D) or code logits
+    images = torch.arange(run.B, device=rows.device) if images is None else images
+    above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(run.reps, 1)  # (S', W)
+    rep = torch.cat([images + k * run.B for k in range(run.reps)])[:, None]  # (S', 1): the images' CFG rows
+    h = drafter.down(run.hid[rep, above - 1], run.bb.embed(run.seq[rep, above]))  # (S', W, D) or code logits
     run.draft_calls += 1
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
     q = run.dist_logits(h, draft_temperature) if tokens_out else run.dist(h, draft_temperature)
-    return sample_probs(q, run.gens), q
+    return sample_probs(q, run.image_gens(images)), q
 
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, generators=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
-             draft_temperature: float | None = None):
+             draft_temperature: float | None = None, max_lead: int | None = 2):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
-    (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless."""
+    (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
+    `max_lead` (carry only): how many rows an image may run ahead of the batch's slowest (null: no bound).
+    stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
+    with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included)."""
+    if carry and exact:
+        raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
+                         "right and never carries any; set one of them to false")
     expect_int("rounds", rounds, 0)
+    if max_lead is not None:
+        expect_int("max_lead", max_lead, 0)
     expect_float("temperature", temperature, 0.0)
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
@@ -87,33 +98,28 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     g, B, dev = run.g, run.B, prompt_ids.device
     run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
+    if carry:
+        return _generate_carry(run, drafter, rounds, vertical, max_lead, draft_temperature)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
-    pending = _Pending(B, dev) if carry and not exact else None
     for r in range(g.height):
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
         if r == 0 or not vertical:
             start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
             draft, q = _draft_right(run, drafter, start, r, draft_temperature)
         else:
-            draft, q = _draft_down(run, drafter, r, draft_temperature)
+            draft, q = _draft_down(run, drafter, torch.full((B,), r, device=dev), None, draft_temperature)
         run.set_tokens(cols, draft)
         if exact:
             accept_map[:, r], rounds_used[:, r] = _verify_exact(run, cols, q)
-        elif pending is not None:
-            accept_map[:, r], rounds_used[:, r] = pending.verify(run, cols, q, rounds)
         else:
             accept_map[:, r], rounds_used[:, r], row_unchecked = _verify_autocorrect(run, cols, q, rounds)
             unchecked += row_unchecked
-    if pending is not None:
-        pending.flush(run)
     codes = run.codes()
     stats = {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
              "accept_map": accept_map, "unchecked_tokens": unchecked.float()}
-    if pending is not None:
-        stats["flush_passes"] = pending.extra_passes
     return codes, stats
 
 
@@ -143,59 +149,130 @@ def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rou
     return first_accept, used, unchecked
 
 
-class _Pending:
-    """Verification window of `carry=True`: the visual positions not final yet, with their proposals."""
+class _Window:
+    """Verification window of `carry=True`, per image: the drafted positions not final yet, with proposals.
 
-    def __init__(self, B: int, device):
-        self.final_upto = torch.zeros(B, dtype=torch.long, device=device)  # positions < this are final
-        self.pos = torch.zeros(0, dtype=torch.long, device=device)  # (n,) window positions, ascending
-        self.prop: torch.Tensor | None = None  # (B, n, V) proposal of each window token
-        self.extra_passes = 0
+    Image b's window is its visual positions in [final_upto[b], drafted_upto[b]); the batch's pass covers the
+    union (a contiguous run of visual positions, `pos`). Each image moves on by itself: it drafts its next row
+    when its window is final or it has spent rounds + 1 passes on its newest row, so no image waits for the
+    batch's slowest row. An image that is `max_lead` rows ahead of the slowest one waits (it takes no part in
+    passes), which bounds the width of a pass. Random draws are per image and only for its own window, so an
+    image's tokens and pass count do not depend on its batch (up to floating-point differences of batched
+    matmuls), and batch-1 decoding is the reference of every batch size."""
 
-    def _pass(self, run: SpecState) -> torch.Tensor:
-        """One target pass over the window: accept or correct every non-final token; advance the frontier.
-        Returns (B, n) accepted."""
-        pos = self.pos
-        run.target_pass(int(pos[-1]))
-        p = run.dist(run.hid[:, pos - 1])
-        cur = run.visual(pos)
-        new, accepted = accept_or_resample(cur, p, self.prop, run.gens)
-        final = pos[None, :] < self.final_upto[:, None]
-        new = torch.where(final, cur, new)
-        changed = new != cur
-        n = pos.numel()
-        first = torch.where(changed.any(1), changed.float().argmax(1), torch.full_like(self.final_upto, n - 1))
-        self.final_upto = torch.maximum(self.final_upto, pos[first] + 1)  # through the first change
-        run.set_tokens(pos, new)
-        keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
-        self.pos, self.prop = pos[keep], p[:, keep]
-        return accepted
+    def __init__(self, run: SpecState, rounds: int, max_lead: int | None):
+        B, dev, g = run.B, run.seq.device, run.g
+        self.run, self.rounds, self.max_lead = run, rounds, max_lead
+        self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
+        self.drafted_upto = self.final_upto.clone()
+        self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
+        self.spent = torch.zeros(B, dtype=torch.long, device=dev)  # passes on the image's newest row
+        self.passes = torch.zeros(B, dtype=torch.long, device=dev)  # passes each image took part in
+        self.first_row = torch.full((B,), -1, dtype=torch.long, device=dev)  # row awaiting its first pass
+        self.pos = torch.zeros(0, dtype=torch.long, device=dev)  # (n,) union window, ascending
+        self.prop = torch.zeros(B, 0, g.num_visual, device=dev)  # (B, n, V) proposal of each window token
 
     def live(self) -> torch.Tensor:
-        """(B,) images with a token in the window that is not final yet."""
-        if self.pos.numel() == 0:
-            return torch.zeros_like(self.final_upto, dtype=torch.bool)
-        return self.final_upto <= self.pos[-1]
+        """(B,) images with a drafted token that is not final yet."""
+        return self.final_upto < self.drafted_upto
 
-    def verify(self, run: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
-        """Add a drafted row to the window; spend up to rounds + 1 passes on it."""
-        self.pos = torch.cat([self.pos, cols])
-        self.prop = q if self.prop is None else torch.cat([self.prop, q], 1)
-        first_accept = None
-        used = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-        for _ in range(rounds + 1):
-            used += self.live().long()
-            accepted = self._pass(run)
-            first_accept = accepted[:, -cols.numel():] if first_accept is None else first_accept
-            if not self.live().any():
+    def ready(self) -> torch.Tensor:
+        """(B,) images that may draft their next row now (their window final or their row budget spent)."""
+        ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.run.g.height)
+        if self.max_lead is not None and ok.any():
+            behind = self.next_row[self.next_row < self.run.g.height].min()  # the slowest unfinished image
+            ok &= self.next_row <= behind + self.max_lead
+        return ok
+
+    def add(self, images: torch.Tensor, rows: torch.Tensor, q: torch.Tensor) -> None:
+        """Images (S,) drafted rows (S,) with proposals (S, W, V): extend their windows."""
+        g = self.run.g
+        cols = g.position(rows[:, None], torch.arange(g.width, device=rows.device))  # (S, W)
+        top = int(cols.max()) + 1
+        last = int(self.pos[-1]) + 1 if self.pos.numel() else int(cols.min())
+        if top > last:  # grow the union window by the visual positions in [last, top)
+            extra = torch.arange(last, top, device=rows.device)
+            extra = extra[g.row_col(extra)[1] < g.width]
+            self.pos = torch.cat([self.pos, extra])
+            self.prop = torch.cat([self.prop, self.prop.new_zeros(self.run.B, extra.numel(), g.num_visual)], 1)
+        idx = torch.searchsorted(self.pos, cols)  # (S, W) window slots of the drafted positions
+        self.prop[images[:, None], idx] = q
+        self.drafted_upto[images] = cols[:, -1] + 1
+        self.next_row[images] = rows + 1
+        self.spent[images] = 0
+        self.first_row[images] = rows
+
+    def step(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
+        """One target pass over the union window: accept or correct each live token of the images taking part."""
+        run, g, pos = self.run, self.run.g, self.pos
+        # budget spent but the next row not drafted (held back by max_lead, or horizontal rows waiting for the
+        # batch): the image waits without a pass, as if its next row came at once, so its draws stay its own
+        held = (self.spent > self.rounds) & (self.next_row < g.height)
+        act = (self.live() & ~held).nonzero().flatten()
+        run.target_pass(int(pos[-1]))  # the window's last token is conditioned on, never fed
+        p = run.dist(run.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
+        cur = run.visual(pos)
+        new = cur.clone()
+        for b in act.tolist():  # per-image draws, over the image's own window only
+            own = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
+            nb, acc = accept_or_resample(cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own], run.image_gens([b]))
+            new[b, own] = nb[0]
+            changed = nb[0] != cur[b, own]
+            first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
+            self.final_upto[b] = pos[own[first]] + 1  # final through the first change
+            r = int(self.first_row[b])
+            if r >= 0:  # the first pass over a freshly drafted row: its acceptance map
+                row = g.row_col(pos[own])[0] == r
+                accept_map[b, r] = acc[0, row]
+                self.first_row[b] = -1
+            if self.spent[b] <= self.rounds:  # within the newest row's budget (later passes: carried tokens)
+                rounds_used[b, int(self.next_row[b]) - 1] += 1
+        run.set_tokens(pos, new)
+        self.prop = torch.where(torch.isin(torch.arange(run.B, device=pos.device), act)[:, None, None], p, self.prop)
+        self.spent[act] += 1
+        self.passes[act] += 1
+        keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
+        self.pos, self.prop = pos[keep], self.prop[:, keep]
+
+
+def _generate_carry(run: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
+                    draft_temperature: float | None):
+    """`carry=True`: per-image rows over one verification window (see `_Window`)."""
+    g, B = run.g, run.B
+    dev = run.seq.device
+    win = _Window(run, rounds, max_lead)
+    accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
+    rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
+    flush = 0
+    while True:
+        ready = win.ready()
+        if ready.any():
+            images = ready.nonzero().flatten()
+            rows = win.next_row[images]
+            if vertical and int(rows.min()) > 0:
+                draft, q = _draft_down(run, drafter, rows, images, draft_temperature)
+            else:  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
+                if not bool(ready.all()) or int(rows.max()) != int(rows.min()):
+                    images = None
+                else:
+                    r = int(rows[0])
+                    start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
+                    draft, q = _draft_right(run, drafter, start, r, draft_temperature)
+            if images is not None:
+                run.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
+                win.add(images, rows, q)
+        if not win.live().any():
+            if not (win.next_row < g.height).any():
                 break
-        return first_accept, used
-
-    def flush(self, run: SpecState) -> None:
-        """Passes until every token is final (each pass finalises at least one token of every image)."""
-        while self.live().any():
-            self._pass(run)
-            self.extra_passes += 1
+            continue
+        if not (win.next_row < g.height).any():
+            flush += 1
+        win.step(accept_map, rounds_used)
+    codes = run.codes()
+    return codes, {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
+                   "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
+                   "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
+                   "image_passes": (win.passes + 1).float(), "flush_passes": flush}
 
 
 def _verify_exact(run: SpecState, cols: torch.Tensor, q: torch.Tensor):

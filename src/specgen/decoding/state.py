@@ -88,13 +88,22 @@ class SpecState:
             logits = guide(logits, self.cfg_scale)
         return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
 
-    def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor) -> None:
-        """Write visual codes (B, n) at positions (n,), invalidating the cache from the first change."""
+    def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor, images: torch.Tensor | None = None) -> None:
+        """Write visual codes (S, n) at positions (n,) or per image (S, n) of images (S,) (default: every image),
+        invalidating the cache from the first change."""
+        images = torch.arange(self.B, device=codes.device) if images is None else images
+        rows = torch.cat([images + k * self.B for k in range(self.reps)])[:, None]  # (S', 1): with the CFG rows
+        pos = positions.expand(len(images), -1) if positions.ndim == 1 else positions
+        pos = pos.repeat(self.reps, 1)  # (S', n)
         new = (codes + self.g.visual_start).repeat(self.reps, 1)
-        changed = (self.seq[:, positions] != new).any(0)
+        changed = self.seq[rows, pos] != new
         if changed.any():
-            self.cached = min(self.cached, int(positions[changed.nonzero()[0, 0]]))
-        self.seq[:, positions] = new
+            self.cached = min(self.cached, int(pos[changed].min()))
+        self.seq[rows, pos] = new
+
+    def image_gens(self, images) -> list[torch.Generator] | None:
+        """The random streams of a subset of the images."""
+        return None if self.gens is None else [self.gens[int(b)] for b in images]
 
     def visual(self, positions: torch.Tensor) -> torch.Tensor:
         return self.seq[: self.B, positions] - self.g.visual_start
