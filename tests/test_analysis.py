@@ -4,8 +4,11 @@ import math
 import shutil
 
 import pytest
+import torch
 
 from specgen.analysis import context_probe, tokenizer_report
+from specgen.backbones.mar import ShapesMAR
+from specgen.tokenizers.kl import KLAutoencoder
 
 
 def test_tokenizer_report_writes_its_numbers_into_the_given_folder(tmp_path, tiny_exports, capsys):
@@ -30,3 +33,30 @@ def test_context_probe_takes_every_path_and_writes_its_json(tmp_path, tiny_expor
     assert 0 < res["foreground_share"] < 1 and set(res["losses"]) >= {"snr/t500", "prompt/t500/eps_mse"}
     with pytest.raises(SystemExit):  # no tokenizer default: a path is never guessed
         context_probe.main(["--backbone", str(tiny_exports / "mar_p2"), "--out", str(out)])
+
+
+def test_context_probe_neighbour_estimate_and_probe_values():
+    x0 = torch.arange(9.0).reshape(1, 9, 1)  # a 3x3 token grid, one channel
+    mask = torch.zeros(1, 9)
+    mask[0, [4, 0, 1, 3]] = 1  # centre and the top-left corner with both its neighbours unknown
+    est = context_probe.neighbour_mean(x0, mask, torch.full((1, 1, 1), -1.0))
+    assert float(est[0, 4, 0]) == (5 + 7) / 2  # known neighbours of the centre: 5 and 7 (1 and 3 are masked)
+    assert float(est[0, 0, 0]) == -1.0  # no known neighbour: the background
+    assert float(est[0, 1, 0]) == 2.0  # token 1: of its neighbours 0, 2 and 4, only 2 is known
+    torch.manual_seed(0)
+    mar = ShapesMAR(grid_size=16, token_dim=3, preset="tiny", sample_steps=5, patch_size=2).eval()
+    kl = KLAutoencoder(image_size=64, ch=8, mults=(2, 4), z_dim=3).eval()
+    res = context_probe.probe(mar, kl, num_images=4, known=(0.0, 0.9), timesteps=(1, 900))
+    assert 0 < res["foreground_share"] < 1
+    assert set(res) - {"foreground_share"} == {f"{c}/known{k}/t{t}" for c in ("prompt", "null") for k in ("0", "0.9")
+                                               for t in (1, 900)} | {"neighbours/known0", "neighbours/known0.9"}
+    assert all(math.isfinite(v) and v <= 1 for v in res.values())
+    # at t=1 x_t is the latent up to 1e-4 of noise: any bounded denoiser's x0-estimate explains it almost fully
+    assert min(res[f"{c}/known{k}/t1"] for c in ("prompt", "null") for k in ("0", "0.9")) > 0.9
+    # loss by timestep: the fresh head outputs epsilon = 0, so its epsilon MSE is E[noise^2] = 1 at every t,
+    # and the x0 MSE it implies grows as SNR_t falls
+    losses = context_probe.timestep_losses(mar, kl, num_images=4, timesteps=(0, 500, 950))
+    for c in ("prompt", "null"):
+        assert all(abs(losses[f"{c}/t{t}/eps_mse"] - 1) < 0.1 for t in (0, 500, 950))
+        assert losses[f"{c}/t0/x0_mse"] < losses[f"{c}/t500/x0_mse"] < losses[f"{c}/t950/x0_mse"]
+        assert math.isclose(losses[f"{c}/t500/x0_mse"] * losses["snr/t500"], losses[f"{c}/t500/eps_mse"])
