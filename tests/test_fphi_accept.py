@@ -155,3 +155,51 @@ def test_drafter_report_scores_exports_and_writes_json(tiny_exports, teacher, tm
     with pytest.raises(FileNotFoundError, match="--shards 'nope.npz' is not a file"):
         drafter_report.main(["--drafters", "x", "--backbone", "x", "--tokenizer", "x", "--shards", "nope.npz",
                              "--out", str(out)])
+
+
+def test_left_context_drafter_starts_as_the_one_without_and_drafts_rows_left_to_right():
+    """left_context=True: zero-initialised (equal to the drafter it grows from), trained on the token before each
+    drafted one (teacher-forced), and SSD drafts column by column; greedy output still equals AR."""
+    torch.manual_seed(0)
+    base, left = FPhi(16, "xs", context_kernel=3), FPhi(16, "xs", context_kernel=3, left_context=True)
+    missing, unexpected = left.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("left_") for k in missing)
+    h, e = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    assert torch.allclose(left.down(h, e, torch.randn(2, 5, 16)), base.down(h, e), atol=1e-6)
+    for w in (left.left_in.weight, left.left_block.mlp[-1].weight, left.nets["down"][-1].weight):
+        torch.nn.init.normal_(w, std=0.1)
+    l1, l2 = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    l2[:, 3] = l1[:, 3]
+    diff = (left.down(h, e, l1) - left.down(h, e, l2)).abs().sum(-1)
+    assert (diff[:, 3] == 0).all() and (diff[:, [0, 1, 2, 4]] > 0).all()  # column c reads its own left token only
+    with pytest.raises(ValueError, match="give left_embed"):
+        left.down(h, e)
+    for eol in (True, False):
+        m = tiny_llama(eol=eol)
+        d = FPhi(m.hidden_size, "xs", context_kernel=3, left_context=True)
+        for p in d.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        prompts = m.prompt_ids(["a red circle", "two blue squares"])
+        ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
+        for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
+            assert torch.equal(ssd.generate(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
+
+
+def test_left_context_is_trained_on_the_token_before_each_drafted_one(tiny_exports, teacher):
+    """The distillation feeds row r + 1's left neighbours (the sequence token before each position): a drafter
+    whose left head copies its input shows it, as the loss then changes with the left tokens only."""
+    torch.manual_seed(0)
+    m = DistillModule(FPhi(64, "xs", left_context=True), str(tiny_exports / "ar"), str(tiny_exports / "vq")).eval()
+    torch.nn.init.normal_(m.net.left_in.weight, std=0.1)
+    torch.nn.init.normal_(m.net.left_block.mlp[-1].weight, std=0.1)
+    torch.nn.init.normal_(m.net.nets["down"][-1].weight, std=0.1)
+    batch = next(iter(teacher.train_dataloader()))
+    g = m.backbone.grid
+    s = batch["states"].transpose(0, 1).flatten(0, 1)
+    e = m.backbone.embed(batch["ids"].repeat(2, 1))
+    idx = torch.tensor([r * g.stride + c for r in range(g.height - 1) for c in range(g.width)])
+    pred = m.net.down(s[:, idx].view(len(s), g.height - 1, g.width, -1), e[:, idx].view(len(s), g.height - 1, g.width, -1),
+                      e[:, idx + g.stride - 1].view(len(s), g.height - 1, g.width, -1))
+    target = s[:, idx + g.stride].view_as(pred)
+    rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
+    assert torch.allclose(m.losses(batch)["loss_feat_down"], ((pred - target) / rms).pow(2).mean(), atol=1e-5)

@@ -67,11 +67,32 @@ def _draft_down(run: SpecState, drafter, rows: torch.Tensor, images: torch.Tenso
     images = torch.arange(run.B, device=rows.device) if images is None else images
     above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(run.reps, 1)  # (S', W)
     rep = torch.cat([images + k * run.B for k in range(run.reps)])[:, None]  # (S', 1): the images' CFG rows
+    if getattr(drafter, "left_context", False):
+        return _draft_down_left(run, drafter, above, rep, images, draft_temperature)
     h = drafter.down(run.hid[rep, above - 1], run.bb.embed(run.seq[rep, above]))  # (S', W, D) or code logits
     run.draft_calls += 1
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
     q = run.dist_logits(h, draft_temperature) if tokens_out else run.dist(h, draft_temperature)
     return sample_probs(q, run.image_gens(images)), q
+
+
+def _draft_down_left(run: SpecState, drafter, above: torch.Tensor, rep: torch.Tensor, images: torch.Tensor,
+                     draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Down drafts with left context: the row trunk once, then column by column from the previous column's draft."""
+    g = run.g
+    hidden = run.hid[rep, above - 1]  # (S', W, D)
+    trunk = drafter.down_trunk(hidden, run.bb.embed(run.seq[rep, above]))  # (S', W, width)
+    prev = run.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
+    codes, qs = [], []
+    for c in range(g.width):
+        state = drafter.down_column(trunk[:, c], hidden[:, c], run.bb.embed(prev))  # (S', D)
+        q = run.dist(state, draft_temperature)  # (S, V)
+        tok = sample_probs(q, run.image_gens(images))
+        codes.append(tok)
+        qs.append(q)
+        prev = (tok + g.visual_start).repeat(run.reps)
+    run.draft_calls += g.width
+    return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
 @torch.no_grad()

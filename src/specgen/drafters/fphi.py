@@ -7,7 +7,12 @@ By default each direction is a point-wise residual MLP (the paper's lightweight 
 `context_kernel=k` the down direction also mixes each column with its k - 1 neighbours along the row
 above (a 1-D convolution before each residual block), so that the down draft of column c sees the
 row above around c, the diagonal neighbours included (EAGLE-style context); the down input is then a
-whole row (..., W, D), as SSD drafts it.
+whole row (..., W, D), as SSD drafts it. With `left_context=True` the down draft of column c also sees
+the token before it in the sequence (its left neighbour in the row being drafted, the end-of-row or the
+previous row's last token for column 0): the row is then drafted left to right, each column from the
+draft of the one before, so that a row's drafts agree with each other as the target judges them (it
+verifies column c given the drafted c - 1). The row trunk runs once per row; only a small head runs per
+column (`down_trunk`, `down_column`).
 """
 from __future__ import annotations
 
@@ -80,7 +85,7 @@ class FPhi(nn.Module):
 
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = "",
-                 context_kernel: int | None = None):
+                 context_kernel: int | None = None, left_context: bool = False):
         super().__init__()
         if context_kernel is not None and (context_kernel < 1 or context_kernel % 2 == 0):
             raise ValueError(f"context_kernel={context_kernel}: expected an odd kernel >= 1 (or null: point-wise)")
@@ -96,6 +101,16 @@ class FPhi(nn.Module):
         for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
             nn.init.zeros_(net[-1].weight)
             nn.init.zeros_(net[-1].bias)
+        self.left_context = left_context
+        if left_context:
+            if "down" not in directions:
+                raise ValueError(f"left_context=true conditions the down direction, but directions={list(directions)}")
+            width = self.nets["down"][0].out_features
+            self.left_in = nn.Linear(hidden_size, width)  # embedding of the token before the drafted one
+            self.left_block = _Block(width)
+            for lin in (self.left_in, self.left_block.mlp[-1]):  # zero: starts as the drafter without left context
+                nn.init.zeros_(lin.weight)
+                nn.init.zeros_(lin.bias)
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
         """(..., D) pre-norm state at q and (..., D) embedding of x_{q+1} -> (..., D) predicted pre-norm state;
@@ -111,8 +126,28 @@ class FPhi(nn.Module):
     def right(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         return self(hidden, next_embed, "right")
 
-    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
-        return self(hidden, next_embed, "down")
+    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor, left_embed: torch.Tensor | None = None) -> torch.Tensor:
+        """Down drafts; with left context, `left_embed` (..., D) or (..., W, D) holds the embeddings of the tokens
+        before the drafted ones (teacher tokens in training; SSD drafts column by column instead)."""
+        if not self.left_context:
+            return self(hidden, next_embed, "down")
+        if left_embed is None:
+            raise ValueError("this f_phi drafts down with left context: give left_embed, or draft column by column "
+                             "with down_trunk / down_column")
+        return self.down_column(self.down_trunk(hidden, next_embed), hidden, left_embed)
+
+    def down_trunk(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
+        """The part of the down net that does not depend on the left neighbour: (..., [W,] D) -> (..., [W,] width)."""
+        if "down" in self.row_inputs and hidden.ndim < 3:
+            raise ValueError(f"f_phi.down mixes context along a row: expected (..., W, D) inputs, got {tuple(hidden.shape)}")
+        net = self.nets["down"]
+        return net[:-2](torch.cat([self.in_norm(hidden), next_embed], dim=-1))
+
+    def down_column(self, trunk: torch.Tensor, hidden: torch.Tensor, left_embed: torch.Tensor) -> torch.Tensor:
+        """Trunk features, the state above and the left neighbour's embedding -> the drafted pre-norm state."""
+        net = self.nets["down"]
+        z = self.left_block(trunk + self.left_in(left_embed))
+        return hidden + net[-1](net[-2](z))
 
 
 class TokenDrafter(nn.Module):

@@ -102,6 +102,8 @@ class DistillModule(L.LightningModule):
         `rollout` chained steps for right."""
         if name == "down":
             h, e = self._rows(states), self._rows(embeds)
+            if getattr(self.net, "left_context", False):  # the token before each drafted one (teacher-forced)
+                return [(self.net.down(self._noisy(h), e, self._rows(embeds[:, off - 1:])), self._rows(states[:, off:]))]
             return [(self.net(self._noisy(h), e, name), self._rows(states[:, off:]))]
         pairs, h = [], self._noisy(states[:, :-off])
         steps = self.hparams.rollout if name == "right" else 1
