@@ -231,6 +231,7 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
     assert out["zipar/speed/images_bs1"] == 2 and out["ar/speed/peak_mem_mb_bs1"] > 0
 
 
+@pytest.mark.slow
 def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
@@ -263,6 +264,7 @@ def test_cspd_ablation_shares_the_swept_setting(tmp_path):
     assert cfg.strategies.cspd.fn.ratio == "paper"
 
 
+@pytest.mark.slow
 def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, capsys):
     """Every strategy in one run: flat keys the papers' tables need, the summary table and the PNGs."""
     import json
@@ -326,6 +328,7 @@ def test_offline_wandb_run_of_an_evaluation_holds_the_grid_and_the_table(tmp_pat
     assert grid.dtype == np.uint8 and grid.ndim == 3 and grid.max() > grid.min()  # a real uint8 image
 
 
+@pytest.mark.slow
 def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_path, tiny_exports, capsys):
     """The README's main job on tiny models: GenEval (bool per image) and DPG (score per image) share one W&B
     table, and the printed summary carries passes, DPG, CLIPScore and FID with its sample size."""
@@ -351,6 +354,7 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
     assert runs and list(runs[0].rglob("media/table/**/*.json"))
 
 
+@pytest.mark.slow
 def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
     """benchmark=none on an experiment that sets GenEval sizes: speed only, no error."""
     from specgen.eval import evaluate as run_eval

@@ -42,6 +42,7 @@ def _corrupt(img: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarr
     return out
 
 
+@pytest.mark.slow
 def test_shipped_feature_net_fid_is_zero_on_itself_and_grows_with_corruption():
     from specgen.evaluation.fidelity import fidelity
 
