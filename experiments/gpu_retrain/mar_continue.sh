@@ -55,6 +55,6 @@ job mar specgen.train experiment=$TRAIN_EXP $TOK $COMMON init_from=$CK/$TARGET m
 job draft specgen.train experiment=$DRAFT_EXP $TOK $COMMON $DRAFT_INIT module.warmup_steps=100 \
   $(budget 120) || exit 1
 job geneval specgen.eval experiment=mar_shapes generator.backbone_dir=$CK/$TARGET generator.device=$DEV logger=csv $EVAL
-$PY -m specgen.evaluation.cspd_trace --backbone $CK/$TARGET --draft $CK/$DRAFT --out "$LOGS/trace" \
+$PY -m specgen.analysis.cspd_trace --backbone $CK/$TARGET --draft $CK/$DRAFT --out "$LOGS/trace" \
   > "$LOGS/trace.log" 2>&1; echo "trace rc=$?" | tee -a "$LOGS/status.txt"
 echo "all jobs finished" | tee -a "$LOGS/status.txt"
