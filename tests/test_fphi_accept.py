@@ -203,3 +203,28 @@ def test_left_context_is_trained_on_the_token_before_each_drafted_one(tiny_expor
     target = s[:, idx + g.stride].view_as(pred)
     rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
     assert torch.allclose(m.losses(batch)["loss_feat_down"], ((pred - target) / rms).pow(2).mean(), atol=1e-5)
+
+
+def test_dataset_source_teacher_forces_world_images_and_keeps_sampled_validation(tiny_exports, teacher, tmp_path):
+    """train_source=dataset: training shards hold the teacher's states on VQ-encoded world images (not samples),
+    under new keys; validation stays the backbone's samples, the same files as the sampled source's."""
+    from specgen.backbones.loading import load_shapes_generator
+    from specgen.modules.distill_data import DATASET_OFFSET, teacher_states
+    from specgen.world.dataset import example
+
+    dm = DistillDataModule(str(tiny_exports / "ar"), str(tiny_exports / "vq"), teacher.hparams.cache_dir,
+                           train_shards=1, val_shards=1, shard_size=4, sample_batch=4, cfg_scale=2.0,
+                           train_source="dataset")
+    assert dm.shard_path("val", 0) == teacher.shard_path("val", 0)
+    assert dm.shard_path("train", 0) != teacher.shard_path("train", 0)
+    dm.prepare_data()
+    bb = load_shapes_generator(str(tiny_exports / "ar"), str(tiny_exports / "vq"))
+    items = [example(DATASET_OFFSET + i, "train", 0, 64, 0.0) for i in range(4)]
+    images = torch.stack([torch.from_numpy(img) for _, img, _ in items]).permute(0, 3, 1, 2)
+    cond = bb.prompt_ids([meta["prompt"] for meta, _, _ in items])
+    states, ids = teacher_states(bb, cond, bb.tokenizer.encode(images))
+    shard = __import__("numpy").load(dm.shard_path("train", 0))
+    assert torch.equal(torch.from_numpy(shard["ids"]).long(), ids)
+    assert torch.allclose(torch.from_numpy(shard["states"][:, 0]).float(), states, atol=2e-2, rtol=1e-2)  # fp16
+    with pytest.raises(ValueError, match="data.train_source='web'"):
+        DistillDataModule("a", "b", "c", train_source="web")

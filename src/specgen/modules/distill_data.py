@@ -5,6 +5,12 @@ sequences sampled with plain AR decoding for training-split prompts, and for eac
 pre-norm last-layer states from the begin-of-image position to the last visual token, under
 the conditional and the unconditional prompt (CFG drafts need both). Shards are keyed by the
 backbone's weights and the sampling settings, written atomically, and resumed by shard.
+
+`train_source="dataset"` replaces the sampled training sequences by the world's own images (new scenes of
+training prompts, VQ-encoded), teacher-forced: one forward pass per sequence instead of H x W sampling
+steps, so many more sequences per CPU hour, at the cost of a context distribution that is the data's, not the
+backbone's samples at the decoding CFG. Validation shards are always the backbone's samples (the
+distribution SSD serves), so both sources are judged on it.
 """
 from __future__ import annotations
 
@@ -19,12 +25,16 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from specgen.backbones.loading import load_shapes_generator
+from specgen.backbones.loading import load_shapes_generator, weights_id
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_generators
 from specgen.utils.checkpoints import atomic_savez, missing_shards
 from specgen.utils.validate import expect_int
+from specgen.world.dataset import example
 from specgen.world.prompts import sample_example
+
+SOURCES = ("samples", "dataset")
+DATASET_OFFSET = 10_000_000  # example indices of dataset-source shards: far past any backbone training shard
 
 
 def teacher_states(backbone, prompt_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,21 +71,24 @@ class DistillDataModule(L.LightningDataModule):
     def __init__(self, backbone_dir: str, tokenizer_dir: str, cache_dir: str, train_shards: int = 4,
                  val_shards: int = 1, shard_size: int = 512, sample_batch: int = 64, cfg_scale: float = 3.0,
                  temperature: float = 1.0, top_k: int | None = None, batch_size: int = 16, seed: int = 0,
-                 num_workers: int = 0, sample_device: str = "auto"):
+                 num_workers: int = 0, sample_device: str = "auto", train_source: str = "samples"):
         super().__init__()
         for name in ("train_shards", "val_shards", "shard_size", "sample_batch", "batch_size"):
             expect_int(f"data.{name}", locals()[name], 1)
+        if train_source not in SOURCES:
+            raise ValueError(f"data.train_source={train_source!r}: expected one of {SOURCES}")
         self.save_hyperparameters()
 
-    def _key(self) -> str:
-        from specgen.backbones.loading import weights_id
-
+    def _key(self, source: str = "samples") -> str:
         h = self.hparams
         spec = [weights_id(h.backbone_dir), h.shard_size, h.cfg_scale, h.temperature, h.top_k, h.seed]
+        if source != "samples":  # sampled shards keep the keys they always had
+            spec = [weights_id(h.backbone_dir), h.shard_size, h.seed, source]
         return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12]
 
     def shard_path(self, split: str, k: int) -> Path:
-        return Path(self.hparams.cache_dir) / self._key() / f"{split}_{k:05d}.npz"
+        source = self.hparams.train_source if split == "train" else "samples"
+        return Path(self.hparams.cache_dir) / self._key(source) / f"{split}_{k:05d}.npz"
 
     def prepare_data(self):
         h = self.hparams
@@ -93,15 +106,23 @@ class DistillDataModule(L.LightningDataModule):
     def _write_shard(self, backbone, split: str, k: int, device: str = "cpu"):
         h = self.hparams
         states, ids = [], []
+        dataset = split == "train" and h.train_source == "dataset"
         for start in tqdm(range(0, h.shard_size, h.sample_batch), desc=f"{split} shard {k}", leave=False):
             n = min(h.sample_batch, h.shard_size - start)
             base = (k * h.shard_size + start) * 2 + (1 if split == "val" else 0)
-            prompts = [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
-                       for i in range(n)]
-            cond = backbone.prompt_ids(prompts)
-            codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
-                                   generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device),
-                                   cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
+            if dataset:  # the world's images of new scenes, encoded by the backbone's tokenizer
+                items = [example(DATASET_OFFSET + k * h.shard_size + start + i, split, h.seed, backbone.tokenizer.image_size,
+                                 0.0) for i in range(n)]
+                cond = backbone.prompt_ids([meta["prompt"] for meta, _, _ in items])
+                images = torch.from_numpy(np.stack([img for _, img, _ in items])).permute(0, 3, 1, 2).to(device)
+                codes = backbone.tokenizer.encode(images)
+            else:
+                prompts = [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
+                           for i in range(n)]
+                cond = backbone.prompt_ids(prompts)
+                codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
+                                       generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device),
+                                       cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
             s_cond, tok = teacher_states(backbone, cond, codes)
             s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
             states.append(torch.stack([s_cond, s_null], 1).half().cpu().numpy())
