@@ -89,7 +89,8 @@ def test_export_writes_no_absolute_path(tmp_path):
 
 
 def test_every_shipped_folder_names_the_experiment_that_exports_it():
-    folders = sorted(p.parent.name for p in (REPO_ROOT / "checkpoints").glob("*/model.safetensors"))
+    folders = sorted(p.parent.name for p in shipped_files()
+                     if p.name == "model.safetensors" and p.parent.parent == REPO_ROOT / "checkpoints")
     assert folders and set(folders) <= set(PRODUCERS)
     for name, exp in PRODUCERS.items():
         text = (REPO_ROOT / "configs" / "experiment" / f"{exp}.yaml").read_text()
