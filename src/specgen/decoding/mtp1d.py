@@ -16,9 +16,9 @@ from specgen.utils.validate import expect_float
 
 
 def _head_drafter(heads):
-    def draft(run: SpecState, frontier: torch.Tensor, lo: int, hi: int):
-        g, B, dev = run.g, run.B, run.seq.device
-        vis = run.visual_positions()
+    def draft(st: SpecState, frontier: torch.Tensor, lo: int, hi: int):
+        g, B, dev = st.g, st.B, st.seq.device
+        vis = st.visual_positions()
         N = vis.numel()
         index_of = torch.full((g.seq_len + heads.num_heads + 1,), -1, dtype=torch.long, device=dev)
         index_of[vis] = torch.arange(N, device=dev)
@@ -27,7 +27,7 @@ def _head_drafter(heads):
         q = torch.full((B, span, g.num_visual), 1.0 / g.num_visual, device=dev)
         drafted = torch.zeros(B, span, dtype=torch.bool, device=dev)
         start = vis[frontier.clamp_max(N - 1)]  # (B,) position of the frontier token
-        h = run.hid[torch.arange(B * run.reps, device=dev), start.repeat(run.reps) - 1]  # (B', D)
+        h = st.hid[torch.arange(B * st.reps, device=dev), start.repeat(st.reps) - 1]  # (B', D)
         rows = torch.arange(B, device=dev)
         for k in range(heads.num_heads + 1):  # k = 0: the target itself; k >= 1: head k
             hk = h if k == 0 else heads.ahead(h, k)
@@ -35,13 +35,13 @@ def _head_drafter(heads):
             use = (j >= lo) & (j < hi) & (frontier < N)
             if not use.any():
                 continue
-            qk = run.dist(hk)  # (B, V)
-            tok = sample_probs(qk, run.gens)
+            qk = st.dist(hk)  # (B, V)
+            tok = sample_probs(qk, st.gens)
             col = (j - lo).clamp(0, span - 1)
             tokens[rows[use], col[use]] = tok[use]
             q[rows[use], col[use]] = qk[use]
             drafted[rows[use], col[use]] = True
-        run.draft_calls += 1
+        st.draft_calls += 1
         return tokens, q, drafted
     return draft
 
@@ -52,6 +52,6 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     check_drafter(backbone, drafter, ("ahead_1",))  # heads, not a right/down (SSD) drafter
-    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
-    stats = speculate(run, _head_drafter(drafter), window=drafter.num_heads + 1)
-    return run.codes(), stats
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    stats = speculate(st, _head_drafter(drafter), window=drafter.num_heads + 1)
+    return st.codes(), stats

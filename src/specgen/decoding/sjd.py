@@ -18,31 +18,31 @@ INITS = ("random", "vertical")
 
 
 class _Jacobi:
-    def __init__(self, run: SpecState, init: str):
-        g, dev = run.g, run.seq.device
+    def __init__(self, st: SpecState, init: str):
+        g, dev = st.g, st.seq.device
         self.init, self.W = init, g.width
         N, V = g.num_visual_tokens, g.num_visual
-        self.prev = torch.zeros(run.B, N, V, device=dev)  # last target p seen at each index
-        self.seen = torch.zeros(run.B, N, dtype=torch.bool, device=dev)
+        self.prev = torch.zeros(st.B, N, V, device=dev)  # last target p seen at each index
+        self.seen = torch.zeros(st.B, N, dtype=torch.bool, device=dev)
 
     def observe(self, idx: torch.Tensor, p: torch.Tensor) -> None:
         self.prev[:, idx] = p
         self.seen[:, idx] = True
 
-    def __call__(self, run: SpecState, frontier: torch.Tensor, lo: int, hi: int):
-        B, V, dev = run.B, run.g.num_visual, run.seq.device
+    def __call__(self, st: SpecState, frontier: torch.Tensor, lo: int, hi: int):
+        B, V, dev = st.B, st.g.num_visual, st.seq.device
         idx = torch.arange(lo, hi, device=dev)
         q = self.prev[:, idx].clone()  # (B, span, V)
         fresh = ~self.seen[:, idx]
         init_q = torch.full((B, hi - lo, V), 1.0 / V, device=dev)
         if self.init == "vertical":
             above = idx - self.W
-            vis = run.visual_positions()
-            up = run.visual(vis[above.clamp_min(0)])  # (B, span) codes one row up (current values)
+            vis = st.visual_positions()
+            up = st.visual(vis[above.clamp_min(0)])  # (B, span) codes one row up (current values)
             onehot = torch.nn.functional.one_hot(up.clamp(0, V - 1), V).float()  # unset entries are masked below
             init_q = torch.where((above >= 0)[None, :, None], onehot, init_q)
         q = torch.where(fresh[..., None], init_q, q)
-        tokens = sample_probs(q, run.gens)
+        tokens = sample_probs(q, st.gens)
         drafted = (idx[None, :] >= frontier[:, None])
         return tokens, q, drafted
 
@@ -56,7 +56,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     expect_int("window", window, 1)
     if init not in INITS:
         raise ValueError(f"unknown SJD init {init!r}: expected one of {INITS}")
-    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
-    jacobi = _Jacobi(run, init)
-    stats = speculate(run, jacobi, window=window, observe=jacobi.observe)
-    return run.codes(), stats
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    jacobi = _Jacobi(st, init)
+    stats = speculate(st, jacobi, window=window, observe=jacobi.observe)
+    return st.codes(), stats

@@ -14,21 +14,21 @@ from specgen.utils.validate import expect_float, expect_int
 
 
 def _model_drafter(draft: SpecState):
-    def propose(run: SpecState, frontier: torch.Tensor, lo: int, hi: int):
-        B, dev = run.B, run.seq.device
-        vis = run.visual_positions()
-        draft.set_tokens(vis[:lo], run.visual(vis[:lo]))  # sync the final tokens
+    def propose(st: SpecState, frontier: torch.Tensor, lo: int, hi: int):
+        B, dev = st.B, st.seq.device
+        vis = st.visual_positions()
+        draft.set_tokens(vis[:lo], st.visual(vis[:lo]))  # sync the final tokens
         span = hi - lo
         tokens = torch.zeros(B, span, dtype=torch.long, device=dev)
-        q = torch.zeros(B, span, run.g.num_visual, device=dev)
+        q = torch.zeros(B, span, st.g.num_visual, device=dev)
         for i in range(lo, hi):
             draft.target_pass(int(vis[i]))  # the draft model's state before token i
             qi = draft.dist(draft.hid[:, int(vis[i]) - 1])
             known = i < frontier
-            tok = torch.where(known, run.visual(vis[i:i + 1])[:, 0], sample_probs(qi, run.gens))
+            tok = torch.where(known, st.visual(vis[i:i + 1])[:, 0], sample_probs(qi, st.gens))
             draft.set_tokens(vis[i:i + 1], tok[:, None])
             tokens[:, i - lo], q[:, i - lo] = tok, qi
-        run.draft_calls = draft.nfe
+        st.draft_calls = draft.nfe
         idx = torch.arange(lo, hi, device=dev)
         drafted = (idx[None, :] >= frontier[:, None]) & (idx[None, :] < frontier[:, None] + span)
         return tokens, q, drafted
@@ -45,8 +45,8 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter: Disc
     if drafter.grid != backbone.grid:
         raise ValueError(f"the draft model's token grid {drafter.grid} differs from the target's {backbone.grid}: "
                          f"train the draft model on the same tokenizer and layout")
-    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
     draft = SpecState(drafter, prompt_ids, cfg_scale, temperature, top_k, generators)
     draft.target_pass(drafter.grid.prefix_len)
-    stats = speculate(run, _model_drafter(draft), window=window)
-    return run.codes(), stats
+    stats = speculate(st, _model_drafter(draft), window=window)
+    return st.codes(), stats

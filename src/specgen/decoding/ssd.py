@@ -34,64 +34,64 @@ from specgen.decoding.state import SpecState, check_drafter
 from specgen.utils.validate import expect_float, expect_int
 
 
-def _draft_right(run: SpecState, drafter, start: int, row: int,
+def _draft_right(st: SpecState, drafter, start: int, row: int,
                  draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain f_phi.right from the target state at `start` through known tokens into row `row`."""
-    g = run.g
-    h = run.hid[:, start]  # (B', D)
+    g = st.g
+    h = st.hid[:, start]  # (B', D)
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"  # ablation: the drafter gives code logits
     is_state = True  # h is a target state until the drafter has run once
     first = g.position(row, 0)
     codes, qs = [], []
     for pos in range(start + 1, g.position(row, g.width - 1) + 1):
         if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
-            q = run.dist(h, draft_temperature) if is_state else run.dist_logits(h, draft_temperature)  # (B, Vv)
-            tok = sample_probs(q, run.gens)
+            q = st.dist(h, draft_temperature) if is_state else st.dist_logits(h, draft_temperature)  # (B, Vv)
+            tok = sample_probs(q, st.gens)
             codes.append(tok)
             qs.append(q)
-            ids = (tok + g.visual_start).repeat(run.reps)
+            ids = (tok + g.visual_start).repeat(st.reps)
         else:  # a token already known (previous row, end-of-row)
-            ids = run.seq[:, pos]
+            ids = st.seq[:, pos]
         if pos < g.position(row, g.width - 1):
-            h = drafter.right(h, run.bb.embed(ids))
+            h = drafter.right(h, st.bb.embed(ids))
             is_state = not tokens_out
-            run.draft_calls += 1
+            st.draft_calls += 1
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
 
 
-def _draft_down(run: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor | None = None,
+def _draft_down(st: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor | None = None,
                 draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `rows` (S,) of images `images` (S,; default: every image), all columns at once:
     f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above."""
-    g = run.g
-    images = torch.arange(run.B, device=rows.device) if images is None else images
-    above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(run.reps, 1)  # (S', W)
-    rep = torch.cat([images + k * run.B for k in range(run.reps)])[:, None]  # (S', 1): the images' CFG rows
+    g = st.g
+    images = torch.arange(st.B, device=rows.device) if images is None else images
+    above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)  # (S', W)
+    rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
     if getattr(drafter, "left_context", False):
-        return _draft_down_left(run, drafter, above, rep, images, draft_temperature)
-    h = drafter.down(run.hid[rep, above - 1], run.bb.embed(run.seq[rep, above]))  # (S', W, D) or code logits
-    run.draft_calls += 1
+        return _draft_down_left(st, drafter, above, rep, images, draft_temperature)
+    h = drafter.down(st.hid[rep, above - 1], st.bb.embed(st.seq[rep, above]))  # (S', W, D) or code logits
+    st.draft_calls += 1
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
-    q = run.dist_logits(h, draft_temperature) if tokens_out else run.dist(h, draft_temperature)
-    return sample_probs(q, run.image_gens(images)), q
+    q = st.dist_logits(h, draft_temperature) if tokens_out else st.dist(h, draft_temperature)
+    return sample_probs(q, st.image_gens(images)), q
 
 
-def _draft_down_left(run: SpecState, drafter, above: torch.Tensor, rep: torch.Tensor, images: torch.Tensor,
+def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Tensor, images: torch.Tensor,
                      draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Down drafts with left context: the row trunk once, then column by column from the previous column's draft."""
-    g = run.g
-    hidden = run.hid[rep, above - 1]  # (S', W, D)
-    trunk = drafter.down_trunk(hidden, run.bb.embed(run.seq[rep, above]))  # (S', W, width)
-    prev = run.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
+    g = st.g
+    hidden = st.hid[rep, above - 1]  # (S', W, D)
+    trunk = drafter.down_trunk(hidden, st.bb.embed(st.seq[rep, above]))  # (S', W, width)
+    prev = st.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
     codes, qs = [], []
     for c in range(g.width):
-        state = drafter.down_column(trunk[:, c], hidden[:, c], run.bb.embed(prev))  # (S', D)
-        q = run.dist(state, draft_temperature)  # (S, V)
-        tok = sample_probs(q, run.image_gens(images))
+        state = drafter.down_column(trunk[:, c], hidden[:, c], st.bb.embed(prev))  # (S', D)
+        q = st.dist(state, draft_temperature)  # (S, V)
+        tok = sample_probs(q, st.image_gens(images))
         codes.append(tok)
         qs.append(q)
-        prev = (tok + g.visual_start).repeat(run.reps)
-    run.draft_calls += g.width
+        prev = (tok + g.visual_start).repeat(st.reps)
+    st.draft_calls += g.width
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
@@ -116,11 +116,11 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
-    run = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
-    g, B, dev = run.g, run.B, prompt_ids.device
-    run.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    g, B, dev = st.g, st.B, prompt_ids.device
+    st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
-        return _generate_carry(run, drafter, rounds, vertical, max_lead, draft_temperature)
+        return _generate_carry(st, drafter, rounds, vertical, max_lead, draft_temperature)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
@@ -128,23 +128,23 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
         if r == 0 or not vertical:
             start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
-            draft, q = _draft_right(run, drafter, start, r, draft_temperature)
+            draft, q = _draft_right(st, drafter, start, r, draft_temperature)
         else:
-            draft, q = _draft_down(run, drafter, torch.full((B,), r, device=dev), None, draft_temperature)
-        run.set_tokens(cols, draft)
+            draft, q = _draft_down(st, drafter, torch.full((B,), r, device=dev), None, draft_temperature)
+        st.set_tokens(cols, draft)
         if exact:
-            accept_map[:, r], rounds_used[:, r] = _verify_exact(run, cols, q)
+            accept_map[:, r], rounds_used[:, r] = _verify_exact(st, cols, q)
         else:
-            accept_map[:, r], rounds_used[:, r], row_unchecked = _verify_autocorrect(run, cols, q, rounds)
+            accept_map[:, r], rounds_used[:, r], row_unchecked = _verify_autocorrect(st, cols, q, rounds)
             unchecked += row_unchecked
-    codes = run.codes()
-    stats = {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
+    codes = st.codes()
+    stats = {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
              "accept_map": accept_map, "unchecked_tokens": unchecked.float()}
     return codes, stats
 
 
-def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
+def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, rounds: int):
     """Verify and correct every column each pass; re-verify up to `rounds` times."""
     proposal = q
     first_accept = None
@@ -152,16 +152,16 @@ def _verify_autocorrect(run: SpecState, cols: torch.Tensor, q: torch.Tensor, rou
     used = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
     W = cols.numel()
     for k in range(rounds + 1):
-        run.target_pass(int(cols[-1]))  # the row's last candidate is conditioned on, never fed
-        p = run.dist(run.hid[:, cols - 1])  # (B, W, Vv): column c from the state before it
-        cur = run.visual(cols)
-        new, accepted = accept_or_resample(cur, p, proposal, run.gens)
+        st.target_pass(int(cols[-1]))  # the row's last candidate is conditioned on, never fed
+        p = st.dist(st.hid[:, cols - 1])  # (B, W, Vv): column c from the state before it
+        cur = st.visual(cols)
+        new, accepted = accept_or_resample(cur, p, proposal, st.gens)
         changes = new != cur  # (B, W)
         changed = changes.any(1)  # (B,)
         first_accept = accepted if first_accept is None else first_accept
         used += active.long()
         active &= changed
-        run.set_tokens(cols, new)
+        st.set_tokens(cols, new)
         proposal = p  # a corrected token is a draw from this round's p: it proposes for the next round
         if not changed.any():
             break
@@ -181,9 +181,9 @@ class _Window:
     image's tokens and pass count do not depend on its batch (up to floating-point differences of batched
     matmuls), and batch-1 decoding is the reference of every batch size."""
 
-    def __init__(self, run: SpecState, rounds: int, max_lead: int | None):
-        B, dev, g = run.B, run.seq.device, run.g
-        self.run, self.rounds, self.max_lead = run, rounds, max_lead
+    def __init__(self, st: SpecState, rounds: int, max_lead: int | None):
+        B, dev, g = st.B, st.seq.device, st.g
+        self.st, self.rounds, self.max_lead = st, rounds, max_lead
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
@@ -199,15 +199,15 @@ class _Window:
 
     def ready(self) -> torch.Tensor:
         """(B,) images that may draft their next row now (their window final or their row budget spent)."""
-        ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.run.g.height)
+        ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.st.g.height)
         if self.max_lead is not None and ok.any():
-            behind = self.next_row[self.next_row < self.run.g.height].min()  # the slowest unfinished image
+            behind = self.next_row[self.next_row < self.st.g.height].min()  # the slowest unfinished image
             ok &= self.next_row <= behind + self.max_lead
         return ok
 
     def add(self, images: torch.Tensor, rows: torch.Tensor, q: torch.Tensor) -> None:
         """Images (S,) drafted rows (S,) with proposals (S, W, V): extend their windows."""
-        g = self.run.g
+        g = self.st.g
         cols = g.position(rows[:, None], torch.arange(g.width, device=rows.device))  # (S, W)
         top = int(cols.max()) + 1
         last = int(self.pos[-1]) + 1 if self.pos.numel() else int(cols.min())
@@ -215,7 +215,7 @@ class _Window:
             extra = torch.arange(last, top, device=rows.device)
             extra = extra[g.row_col(extra)[1] < g.width]
             self.pos = torch.cat([self.pos, extra])
-            self.prop = torch.cat([self.prop, self.prop.new_zeros(self.run.B, extra.numel(), g.num_visual)], 1)
+            self.prop = torch.cat([self.prop, self.prop.new_zeros(self.st.B, extra.numel(), g.num_visual)], 1)
         idx = torch.searchsorted(self.pos, cols)  # (S, W) window slots of the drafted positions
         self.prop[images[:, None], idx] = q
         self.drafted_upto[images] = cols[:, -1] + 1
@@ -225,18 +225,18 @@ class _Window:
 
     def step(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
         """One target pass over the union window: accept or correct each live token of the images taking part."""
-        run, g, pos = self.run, self.run.g, self.pos
+        st, g, pos = self.st, self.st.g, self.pos
         # budget spent but the next row not drafted (held back by max_lead, or horizontal rows waiting for the
         # batch): the image waits without a pass, as if its next row came at once, so its draws stay its own
         held = (self.spent > self.rounds) & (self.next_row < g.height)
         act = (self.live() & ~held).nonzero().flatten()
-        run.target_pass(int(pos[-1]))  # the window's last token is conditioned on, never fed
-        p = run.dist(run.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
-        cur = run.visual(pos)
+        st.target_pass(int(pos[-1]))  # the window's last token is conditioned on, never fed
+        p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
+        cur = st.visual(pos)
         new = cur.clone()
         for b in act.tolist():  # per-image draws, over the image's own window only
             own = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
-            nb, acc = accept_or_resample(cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own], run.image_gens([b]))
+            nb, acc = accept_or_resample(cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own], st.image_gens([b]))
             new[b, own] = nb[0]
             changed = nb[0] != cur[b, own]
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
@@ -248,20 +248,20 @@ class _Window:
                 self.first_row[b] = -1
             if self.spent[b] <= self.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
-        run.set_tokens(pos, new)
-        self.prop = torch.where(torch.isin(torch.arange(run.B, device=pos.device), act)[:, None, None], p, self.prop)
+        st.set_tokens(pos, new)
+        self.prop = torch.where(torch.isin(torch.arange(st.B, device=pos.device), act)[:, None, None], p, self.prop)
         self.spent[act] += 1
         self.passes[act] += 1
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop = pos[keep], self.prop[:, keep]
 
 
-def _generate_carry(run: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
+def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
                     draft_temperature: float | None):
     """`carry=True`: per-image rows over one verification window (see `_Window`)."""
-    g, B = run.g, run.B
-    dev = run.seq.device
-    win = _Window(run, rounds, max_lead)
+    g, B = st.g, st.B
+    dev = st.seq.device
+    win = _Window(st, rounds, max_lead)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
@@ -271,16 +271,16 @@ def _generate_carry(run: SpecState, drafter, rounds: int, vertical: bool, max_le
             images = ready.nonzero().flatten()
             rows = win.next_row[images]
             if vertical and int(rows.min()) > 0:
-                draft, q = _draft_down(run, drafter, rows, images, draft_temperature)
+                draft, q = _draft_down(st, drafter, rows, images, draft_temperature)
             else:  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
                 if not bool(ready.all()) or int(rows.max()) != int(rows.min()):
                     images = None
                 else:
                     r = int(rows[0])
                     start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
-                    draft, q = _draft_right(run, drafter, start, r, draft_temperature)
+                    draft, q = _draft_right(st, drafter, start, r, draft_temperature)
             if images is not None:
-                run.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
+                st.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
                 win.add(images, rows, q)
         if not win.live().any():
             if not (win.next_row < g.height).any():
@@ -289,29 +289,29 @@ def _generate_carry(run: SpecState, drafter, rounds: int, vertical: bool, max_le
         if not (win.next_row < g.height).any():
             flush += 1
         win.step(accept_map, rounds_used)
-    codes = run.codes()
-    return codes, {"nfe": run.nfe, "draft_calls": run.draft_calls, "tokens_per_pass": g.num_visual_tokens / run.nfe,
+    codes = st.codes()
+    return codes, {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
                    "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
                    "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
                    "image_passes": (win.passes + 1).float(), "flush_passes": flush}
 
 
-def _verify_exact(run: SpecState, cols: torch.Tensor, q: torch.Tensor):
+def _verify_exact(st: SpecState, cols: torch.Tensor, q: torch.Tensor):
     """Lossless: accept left to right up to the first rejection, correct it, repeat until the row is done."""
     B, W = q.shape[:2]
     frontier = torch.zeros(B, dtype=torch.long, device=q.device)
     first_accept = passes = None
     col_idx = torch.arange(W, device=q.device)
     while (frontier < W).any():
-        run.target_pass(int(cols[-1]))
-        p = run.dist(run.hid[:, cols - 1])
-        cur = run.visual(cols)
-        new, accepted = accept_or_resample(cur, p, q, run.gens)
+        st.target_pass(int(cols[-1]))
+        p = st.dist(st.hid[:, cols - 1])
+        cur = st.visual(cols)
+        new, accepted = accept_or_resample(cur, p, q, st.gens)
         open_ = col_idx[None, :] >= frontier[:, None]  # (B, W) columns still undecided
         run_ok = torch.cumprod((accepted | ~open_).long(), 1).bool()  # accepted run from the frontier
         stop = torch.where(run_ok.all(1), torch.full_like(frontier, W), (~run_ok).float().argmax(1))
         fix = (col_idx[None, :] == stop[:, None]) & (frontier < W)[:, None]
-        run.set_tokens(cols, torch.where(fix, new, cur))
+        st.set_tokens(cols, torch.where(fix, new, cur))
         if first_accept is None:
             first_accept, passes = run_ok.clone(), torch.zeros(B, dtype=torch.long, device=q.device)
         passes += (frontier < W).long()
