@@ -302,3 +302,21 @@ def test_options_that_do_not_combine_raise():
         ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, exact=True)
     with pytest.raises(ValueError, match="max_lead"):
         ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, max_lead=-1)
+
+
+def test_window_bound_keeps_greedy_equality_and_batch_invariance():
+    """max_window_rows: no image has more rows than the bound not final when it drafts; outputs stay exact."""
+    m = tiny(True, grid=6)
+    p = m.prompt_ids(PROMPTS + ["a green diamond"])
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    for rows in (1, 2):
+        out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True,
+                               max_window_rows=rows)
+        assert torch.equal(out, ref)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=1)
+    out, st = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), **kw)
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), generators=make_generators([i]), **kw)
+        assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="max_window_rows"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)

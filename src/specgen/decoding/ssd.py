@@ -99,11 +99,13 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, generators=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
-             draft_temperature: float | None = None, max_lead: int | None = 2):
+             draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
-    `max_lead` (carry only): how many rows an image may run ahead of the batch's slowest (null: no bound).
+    `max_lead` (carry only): how many rows an image may run ahead of the batch's slowest (null: no bound);
+    `max_window_rows` (carry only): an image drafts its next row only while fewer of its rows than this are not
+    final, which bounds the tokens fed per pass (null: no bound; the row budget `rounds` alone decides).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
     with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included)."""
     if carry and exact:
@@ -112,6 +114,8 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     expect_int("rounds", rounds, 0)
     if max_lead is not None:
         expect_int("max_lead", max_lead, 0)
+    if max_window_rows is not None:
+        expect_int("max_window_rows", max_window_rows, 1)
     expect_float("temperature", temperature, 0.0)
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
@@ -120,7 +124,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     g, B, dev = st.g, st.B, prompt_ids.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
-        return _generate_carry(st, drafter, rounds, vertical, max_lead, draft_temperature)
+        return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
@@ -181,9 +185,9 @@ class _Window:
     image's tokens and pass count do not depend on its batch (up to floating-point differences of batched
     matmuls), and batch-1 decoding is the reference of every batch size."""
 
-    def __init__(self, st: SpecState, rounds: int, max_lead: int | None):
+    def __init__(self, st: SpecState, rounds: int, max_lead: int | None, max_window_rows: int | None = None):
         B, dev, g = st.B, st.seq.device, st.g
-        self.st, self.rounds, self.max_lead = st, rounds, max_lead
+        self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
@@ -197,13 +201,30 @@ class _Window:
         """(B,) images with a drafted token that is not final yet."""
         return self.final_upto < self.drafted_upto
 
-    def ready(self) -> torch.Tensor:
-        """(B,) images that may draft their next row now (their window final or their row budget spent)."""
+    def frontier_row(self) -> torch.Tensor:
+        """(B,) the row of each image's first non-final visual token."""
+        g = self.st.g
+        off = self.final_upto - g.prefix_len
+        return off // g.stride + (off % g.stride >= g.width).long()  # an end-of-row slot: the next row
+
+    def wants(self) -> torch.Tensor:
+        """(B,) images whose next row is due (window final or row budget spent) and within their own window bound:
+        what batch-1 decoding would draft now."""
         ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.st.g.height)
-        if self.max_lead is not None and ok.any():
-            behind = self.next_row[self.next_row < self.st.g.height].min()  # the slowest unfinished image
-            ok &= self.next_row <= behind + self.max_lead
+        if self.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
+            ok &= self.next_row - self.frontier_row() < self.max_window_rows
         return ok
+
+    def lead_ok(self) -> torch.Tensor:
+        """(B,) images not too far ahead of the batch's slowest unfinished image."""
+        unfinished = self.next_row < self.st.g.height
+        if self.max_lead is None or not unfinished.any():
+            return torch.ones_like(unfinished)
+        return self.next_row <= self.next_row[unfinished].min() + self.max_lead
+
+    def ready(self) -> torch.Tensor:
+        """(B,) images that draft their next row now."""
+        return self.wants() & self.lead_ok()
 
     def add(self, images: torch.Tensor, rows: torch.Tensor, q: torch.Tensor) -> None:
         """Images (S,) drafted rows (S,) with proposals (S, W, V): extend their windows."""
@@ -226,9 +247,9 @@ class _Window:
     def step(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
         """One target pass over the union window: accept or correct each live token of the images taking part."""
         st, g, pos = self.st, self.st.g, self.pos
-        # budget spent but the next row not drafted (held back by max_lead, or horizontal rows waiting for the
-        # batch): the image waits without a pass, as if its next row came at once, so its draws stay its own
-        held = (self.spent > self.rounds) & (self.next_row < g.height)
+        # its next row due but not drafted (held back by max_lead, or horizontal rows waiting for the batch): the
+        # image waits without a pass, as if its next row came at once, so its draws stay its own
+        held = self.wants()
         act = (self.live() & ~held).nonzero().flatten()
         st.target_pass(int(pos[-1]))  # the window's last token is conditioned on, never fed
         p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
@@ -257,11 +278,11 @@ class _Window:
 
 
 def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
-                    draft_temperature: float | None):
+                    max_window_rows: int | None, draft_temperature: float | None):
     """`carry=True`: per-image rows over one verification window (see `_Window`)."""
     g, B = st.g, st.B
     dev = st.seq.device
-    win = _Window(st, rounds, max_lead)
+    win = _Window(st, rounds, max_lead, max_window_rows)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
