@@ -31,10 +31,10 @@ def _tiny_train(exp: str, exports: Path) -> list[str]:
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
               "callbacks.val_geneval.prompts_per_task=1", "callbacks.val_geneval.samples=1"]
-    elif exp in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes"):  # drafters distilled from the tiny exported backbone
+    elif exp in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes", "fphi_accept"):  # drafters of the tiny backbone
         o = [f"experiment={exp}", f"data.backbone_dir={exports / 'ar'}", f"data.tokenizer_dir={exports / 'vq'}",
              "data.shard_size=4", "data.sample_batch=4", "data.train_shards=1", "data.batch_size=2",
-             "drafter.hidden_size=64", "num_threads=1"]
+             "drafter.hidden_size=64", "num_threads=1"] + (["init_from=null"] if exp == "fphi_accept" else [])
     else:
         o += ["data.val_size=8"]
     return o
@@ -413,6 +413,26 @@ def test_init_from_starts_the_network_from_an_export(tmp_path, tiny_exports):
         torch.testing.assert_close(a.half().float(), b, msg=k)
     with pytest.raises(FileNotFoundError, match="init_from=.*no model.safetensors"):
         train(compose_cfg("train", base + [f"init_from={tmp_path / 'nowhere'}"], tmp_path / "b"))
+
+
+def test_init_strict_false_grows_a_drafter_from_an_export(tmp_path, tiny_exports):
+    """fphi_accept grows row and left context onto the shipped point-wise f_phi: the export's weights are loaded
+    and the new parameters start at zero; with init_strict=true the missing keys are refused, naming the switch."""
+    from specgen.train import train
+    from specgen.utils.checkpoints import load_exported
+
+    base = _tiny_train("fphi_accept", tiny_exports) + ["logger=none", "export_name=grown", "trainer.max_steps=1",
+                                                       "module.lr=1e-12", "module.warmup_steps=1", "drafter.preset=xs",
+                                                       "trainer.val_check_interval=1", "trainer.limit_val_batches=1"]
+    with pytest.raises(ValueError, match="init_strict=false to grow a net from it"):
+        train(compose_cfg("train", base + [f"init_from={tiny_exports / 'fphi'}", "init_strict=true"], tmp_path / "a"))
+    train(compose_cfg("train", base + [f"init_from={tiny_exports / 'fphi'}"], tmp_path))
+    src, out = load_exported(tiny_exports / "fphi"), load_exported(tmp_path / "checkpoints" / "grown")
+    assert out.left_context and out.context_kernel == 5
+    grown = out.state_dict()
+    for k, a in src.state_dict().items():  # lr ~ 0: the export's weights kept
+        torch.testing.assert_close(a.half().float(), grown[k], msg=k)
+    assert all(grown[k].abs().max() < 1e-6 for k in ("left_in.weight", "nets.down.1.mix.conv.weight"))  # new: zero
 
 
 def test_training_precision_follows_the_hardware(tmp_path):

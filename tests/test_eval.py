@@ -115,10 +115,14 @@ def test_other_strategies_run_through_the_same_entry_point(tmp_path, tiny_export
 def test_ssd_through_the_entry_point_writes_an_acceptance_map(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
-    cfg = _eval_cfg(tmp_path, tiny_exports, ["decoding=ssd", f"decoding.fn.drafter.dirpath={tiny_exports / 'fphi'}"])
+    cfg = _eval_cfg(tmp_path, tiny_exports, ["decoding=ssd_paper", f"decoding.fn.drafter.dirpath={tiny_exports / 'fphi'}"])
     metrics = run_eval(cfg)
-    assert metrics["ssd/speed/nfe"] <= 16 * 3 + 1  # rows x (rounds + 1) + prefill
-    assert 0 <= metrics["ssd/speed/accept_rate"] <= 1
+    assert metrics["ssd_paper/speed/nfe"] <= 16 * 3 + 1  # rows x (rounds + 1) + prefill
+    assert 0 <= metrics["ssd_paper/speed/accept_rate"] <= 1
+    assert (Path(cfg.paths.output_dir) / "accept_map_ssd_paper.png").is_file()
+    cfg = _eval_cfg(tmp_path / "carry", tiny_exports, ["decoding=ssd", f"decoding.fn.drafter.dirpath={tiny_exports / 'fphi'}"])
+    metrics = run_eval(cfg)  # the default: carry, images on their own rows; a batch pass counts once
+    assert 1 < metrics["ssd/speed/image_passes"] <= metrics["ssd/speed/nfe"] <= 256
     assert (Path(cfg.paths.output_dir) / "accept_map_ssd.png").is_file()
 
 
@@ -271,8 +275,8 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
 
     from specgen.eval import evaluate as run_eval
 
-    strategies = ("ar", "ssd", "ssd_carry", "ssd_exact", "sjd", "zipar", "mtp1d", "specdec")
-    drafters = {"ssd": "fphi", "ssd_carry": "fphi", "ssd_exact": "fphi", "mtp1d": "mtp", "specdec": "ar"}
+    strategies = ("ar", "ssd", "ssd_paper", "ssd_exact", "sjd", "zipar", "mtp1d", "specdec")
+    drafters = {"ssd": "fphi", "ssd_paper": "fphi", "ssd_exact": "fphi", "mtp1d": "mtp", "specdec": "ar"}
     cfg = compose_cfg("eval", ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2",
@@ -342,10 +346,10 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
                                f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
                                f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_carry.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
+                               f"strategies.ssd_paper.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
                                "logger=wandb"], tmp_path)
     m = run_eval(cfg)
-    for s in ("ar", "ssd", "ssd_carry", "sjd"):
+    for s in ("ar", "ssd", "ssd_paper", "sjd"):
         for key in ("geneval/overall", "dpg/overall", "clipscore/clipscore_100cos", "fidelity/fid", "speed/nfe_ratio"):
             assert f"{s}/{key}" in m, f"{s}/{key}"
     table = capsys.readouterr().out
@@ -362,7 +366,7 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
     cfg = compose_cfg("eval", ["experiment=discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'vq'}", "~strategies.mtp1d", "~strategies.specdec",
                                f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_carry.fn.drafter.dirpath={tiny_exports / 'fphi'}",
+                               f"strategies.ssd_paper.fn.drafter.dirpath={tiny_exports / 'fphi'}",
                                f"strategies.ssd_exact.fn.drafter.dirpath={tiny_exports / 'fphi'}",
                                "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"],
                       tmp_path)
