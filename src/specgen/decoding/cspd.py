@@ -138,12 +138,15 @@ def own_chain(s: Session, step, rows: torch.Tensor, pos: torch.Tensor, align: bo
 
 def _rng(st: MARState, rows: torch.Tensor):
     """rand/randn that draw each token's numbers from its own image's generator."""
-    rows = rows.tolist()
+    order = torch.argsort(rows, stable=True)  # one call per image, not per token: rows grouped by image
+    images, counts = torch.unique_consecutive(rows[order], return_counts=True)
+    groups = list(zip(images.tolist(), counts.tolist()))
 
     def draw(fn, shape):
-        if not rows:
-            return torch.zeros(shape, device=st.dev)
-        return torch.stack([fn(tuple(shape[1:]), generator=st.generators[b], device=st.dev) for b in rows])
+        out = torch.zeros(shape, device=st.dev)
+        if groups:
+            out[order] = torch.cat([fn((n, *shape[1:]), generator=st.generators[b], device=st.dev) for b, n in groups])
+        return out
     return (lambda shape: draw(torch.rand, shape)), (lambda shape: draw(torch.randn, shape))
 
 
@@ -163,7 +166,8 @@ def _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner
     if final_std is not None:
         expect_float("final_std", final_std, 1e-12)
     if ddim_tail >= target.diffusion.sample_steps:
-        raise ValueError(f"ddim_tail={ddim_tail} must be below the head's {target.diffusion.sample_steps} sampling steps")
+        raise ValueError(f"ddim_tail={ddim_tail} must be below the head's {target.diffusion.sample_steps} "
+                         f"sampling steps")
     target.check_draft(draft)
 
 

@@ -170,7 +170,8 @@ def work_stats(target: Work, draft: Work, batch: int, seq_len: int, steps: int, 
     return {"target_calls": float(target.calls), "target_sets": target.rows / (g * batch),
             "target_head_evals": target.head_rows / batch, "draft_sets": draft.rows / (g * batch),
             "draft_head_evals": draft.head_rows / batch, "nfe": target.rows / (g * batch),
-            "target_work_ratio": sets_ref / max(target.rows, 1), "target_head_ratio": head_ref / max(target.head_rows, 1),
+            "target_work_ratio": sets_ref / max(target.rows, 1),
+            "target_head_ratio": head_ref / max(target.head_rows, 1),
             "draft_work_frac": draft.rows / sets_ref, "draft_head_frac": draft.head_rows / head_ref}
 
 
