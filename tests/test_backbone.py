@@ -4,7 +4,7 @@ import torch
 from specgen.backbones.protocol import DiscreteBackbone
 from specgen.backbones.shapes_llama import ShapesLlama
 from specgen.decoding import ar
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from helpers import tiny_llama
 
 PROMPTS = ["a photo of a red circle", "a large blue square in the top left , a small pink cross in the center ."]
@@ -30,8 +30,8 @@ def test_cached_greedy_equals_uncached_greedy(eol):
 def test_cached_sampling_equals_uncached_sampling(eol):
     m = tiny(eol)
     p = m.prompt_ids(PROMPTS)
-    a, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, generators=make_generators([1, 2]))
-    b, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, generators=make_generators([1, 2]),
+    a, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, rngs=make_rngs([1, 2]))
+    b, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, rngs=make_rngs([1, 2]),
                        use_cache=False)
     assert torch.equal(a, b)
 
@@ -39,17 +39,17 @@ def test_cached_sampling_equals_uncached_sampling(eol):
 def test_cfg_scale_one_equals_conditional_sampling():
     m = tiny(True)
     p = m.prompt_ids(PROMPTS)
-    a, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, generators=make_generators([5, 6]), cfg_rows=True)
-    b, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, generators=make_generators([5, 6]), cfg_rows=False)
+    a, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, rngs=make_rngs([5, 6]), cfg_rows=True)
+    b, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, rngs=make_rngs([5, 6]), cfg_rows=False)
     assert torch.equal(a, b)
-    c, _ = ar.generate(m, p, cfg_scale=4.0, temperature=1.0, generators=make_generators([5, 6]))
+    c, _ = ar.generate(m, p, cfg_scale=4.0, temperature=1.0, rngs=make_rngs([5, 6]))
     assert not torch.equal(a, c)  # guidance does change the samples
 
 
 def test_images_do_not_depend_on_batch_composition():
     m = tiny(True)
-    both, _ = ar.generate(m, m.prompt_ids(PROMPTS), cfg_scale=2.0, generators=make_generators([11, 12]))
-    alone, _ = ar.generate(m, m.prompt_ids(PROMPTS[1:]), cfg_scale=2.0, generators=make_generators([12]))
+    both, _ = ar.generate(m, m.prompt_ids(PROMPTS), cfg_scale=2.0, rngs=make_rngs([11, 12]))
+    alone, _ = ar.generate(m, m.prompt_ids(PROMPTS[1:]), cfg_scale=2.0, rngs=make_rngs([12]))
     assert torch.equal(both[1], alone[0])
 
 

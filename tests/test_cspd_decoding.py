@@ -9,7 +9,7 @@ from scipy import stats
 from specgen.backbones.mar import ShapesMAR
 from specgen.decoding import cspd, mar
 from specgen.decoding.cspd_core import evaluate_on, run_chain
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 
 PROMPTS = ["a red circle", "two squares"]
 
@@ -40,20 +40,20 @@ def _near(m, scale, seed=9):
 def test_mar_sampling_is_reproducible_per_image_and_counts_its_work():
     m = _tiny_mar()
     assert mar.schedule(16, 4)[-1] == 16 and all(a < b for a, b in zip(mar.schedule(16, 4), mar.schedule(16, 4)[1:]))
-    a, st = mar.generate(m, PROMPTS, make_generators([1, 2]), num_iter=4)
-    b, _ = mar.generate(m, ["two squares"], make_generators([2]), num_iter=4)
+    a, st = mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=4)
+    b, _ = mar.generate(m, ["two squares"], make_rngs([2]), num_iter=4)
     assert a.shape == (2, 16, 3) and torch.allclose(a[1], b[0], atol=1e-5)  # an image does not depend on its batch
     assert st["nfe"] == st["target_sets"] == 4 and st["target_calls"] == 4
     assert st["target_head_evals"] == 16 * 5 * 2  # every token, every denoising step, both CFG branches
     assert st["target_work_ratio"] == st["target_head_ratio"] == 1.0 and st["draft_head_evals"] == 0
-    _, plain = mar.generate(m, PROMPTS, make_generators([1, 2]), num_iter=4, cfg_scale=1.0)
+    _, plain = mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=4, cfg_scale=1.0)
     assert plain["target_head_evals"] == 16 * 5 and plain["target_work_ratio"] == 1.0
 
 
 def test_linear_cfg_schedule_counts_the_tokens_known_after_the_step():
     """MAR: the scale of a step is 1 + (cfg - 1) x (known after the step) / L, never 1 with guidance."""
     m = _tiny_mar()
-    st = mar.MARState(m, PROMPTS, make_generators([0, 1]), 3.0)
+    st = mar.MARState(m, PROMPTS, make_rngs([0, 1]), 3.0)
     sched = mar.schedule(st.L, 4)
     _, _, z = mar.mar_step(m, st, *mar.conditioning(m, PROMPTS, 3.0), sched[0], 3.0, "linear", 1.0)
     assert z[2] == pytest.approx(1 + 2.0 * sched[0] / 16) and z[2] > 1
@@ -64,10 +64,10 @@ def test_prefill_counts_generation_steps():
     assert [cspd.prefill_steps(r, 16) for r in (0.0, 0.05, 0.15, 0.25, 1.0)] == [0, 1, 3, 4, 16]
     m, d = _tiny_mar(0), _tiny_mar(1)
     sched = mar.schedule(16, 4)
-    _, st = cspd.generate(m, PROMPTS, make_generators([3, 4]), d, num_iter=4, prefill_ratio=0.5, gamma=1)
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, prefill_ratio=0.5, gamma=1)
     assert st["prefill_steps"] == 2 and st["drafted"] == 2 * (16 - sched[1]) and st["rounds"] == 2
-    ref, _ = mar.generate(m, PROMPTS, make_generators([3, 4]), num_iter=4)
-    out, st = cspd.generate(m, PROMPTS, make_generators([3, 4]), d, num_iter=4, prefill_ratio=1.0)
+    ref, _ = mar.generate(m, PROMPTS, make_rngs([3, 4]), num_iter=4)
+    out, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, prefill_ratio=1.0)
     assert torch.allclose(out, ref) and st["drafted"] == 0 and st["target_work_ratio"] == 1.0
 
 
@@ -75,12 +75,12 @@ def test_draft_equal_to_target_accepts_everything_under_stepwise_verification():
     m = _tiny_mar(0)
     for ratio in ("paper", "exact", "aligned"):
         opts = {"inner_temperature": 1.0} if ratio == "paper" else {}
-        _, st = cspd.generate(m, PROMPTS, make_generators([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
+        _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
                               prefill_ratio=0.0, verify="stepwise", **opts)
         assert st["accept_rate"] == 1.0 and st["drafted"] == 32 and st["target_sets"] == 4, ratio
         # judging every drafted step given only the tokens known before drafting (the paper's joint
         # verification) rejects some of the target's own drafts: later steps saw the earlier drafts
-        _, joint = cspd.generate(m, PROMPTS, make_generators([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
+        _, joint = cspd.generate(m, PROMPTS, make_rngs([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
                                  prefill_ratio=0.0, verify="joint", **opts)
         assert joint["accept_rate"] < 0.9 and joint["target_sets"] == 2, ratio
 
@@ -88,8 +88,8 @@ def test_draft_equal_to_target_accepts_everything_under_stepwise_verification():
 def test_accepted_tokens_keep_the_drafts_value():
     """Everything accepted (density temperature 1e9), one round: CSpD returns the draft's own generation."""
     m, d = _tiny_mar(0), _tiny_mar(1)
-    draft_only, _ = mar.generate(d, PROMPTS, make_generators([5, 6]), num_iter=4)
-    out, st = cspd.generate(m, PROMPTS, make_generators([5, 6]), d, num_iter=4, gamma=4, prefill_ratio=0.0,
+    draft_only, _ = mar.generate(d, PROMPTS, make_rngs([5, 6]), num_iter=4)
+    out, st = cspd.generate(m, PROMPTS, make_rngs([5, 6]), d, num_iter=4, gamma=4, prefill_ratio=0.0,
                             density_temperature=1e9)
     assert st["accept_rate"] == 1.0 and torch.allclose(out, draft_only, atol=1e-6)
 
@@ -99,13 +99,13 @@ def test_work_is_counted_against_target_only_sampling():
     drafted token and step (as sampling does) and its residual needs no head call."""
     m = _tiny_mar(0)
     d = _near(m, 0.03)
-    _, st = cspd.generate(m, PROMPTS, make_generators([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
                           inner_temperature=1e4)  # the 5-step chain's last-step Gaussian is narrow: widen it
     assert st["target_sets"] == 2 and st["target_work_ratio"] == 2.0 and st["target_calls"] == 2
     assert st["target_head_evals"] == 16 * 5 * 2 and st["target_head_ratio"] == 1.0
     assert st["draft_sets"] == 4 and st["draft_work_frac"] == 1.0 and st["draft_head_frac"] == 1.0
     assert 0 < st["accept_rate"] < 1 and st["proposals"] > 0
-    _, ex = cspd.generate(m, PROMPTS, make_generators([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
+    _, ex = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
                           ratio="exact", verify="stepwise", max_proposals=2)
     assert ex["target_sets"] == 4 and ex["target_work_ratio"] == 1.0
     # per image: the stochastic steps evaluated on the draft's states and the deterministic last step run by
@@ -124,31 +124,31 @@ def test_cspd_prefix_exact_reproduces_target_only_sampling(ddim_tail):
     n = 1200
     prompts = ["a red circle"] * n
     opts = dict(num_iter=3, cfg_scale=1.0, ddim_tail=ddim_tail)
-    ref, _ = mar.generate(m, prompts, make_generators(range(n)), **opts)
-    out, st = cspd.generate(m, prompts, make_generators(range(n, 2 * n)), d, gamma=2, prefill_ratio=0.0,
+    ref, _ = mar.generate(m, prompts, make_rngs(range(n)), **opts)
+    out, st = cspd.generate(m, prompts, make_rngs(range(n, 2 * n)), d, gamma=2, prefill_ratio=0.0,
                             ratio="exact", acceptance="prefix", verify="stepwise", max_proposals=64, **opts)
     assert 0.1 < st["accept_rate"] < 0.95 and st["fallbacks"] == 0 and st["proposals"] > 0
     assert st["target_calls"] <= 3  # a round commits at least its first drafted step
     statistics = (lambda t: t[:, 0, 0], lambda t: t[:, 3, 0], lambda t: t.sum((1, 2)), lambda t: t[:, 0, 0] * t[:, 1, 0])
     for stat in statistics:
         assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3
-    draft_only, _ = mar.generate(d, prompts, make_generators(range(n)), **opts)
+    draft_only, _ = mar.generate(d, prompts, make_rngs(range(n)), **opts)
     assert stats.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
 
 
 def test_ddim_tail_changes_the_sampler_for_both_models():
     m = _tiny_mar(0)
-    a, _ = mar.generate(m, PROMPTS, make_generators([1, 2]), num_iter=4)
-    b, st = mar.generate(m, PROMPTS, make_generators([1, 2]), num_iter=4, ddim_tail=3)
+    a, _ = mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=4)
+    b, st = mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=4, ddim_tail=3)
     assert not torch.allclose(a, b, atol=1e-3) and st["target_head_evals"] == 16 * 5 * 2
-    out, cs = cspd.generate(m, PROMPTS, make_generators([1, 2]), m, num_iter=4, ddim_tail=3, ratio="exact",
+    out, cs = cspd.generate(m, PROMPTS, make_rngs([1, 2]), m, num_iter=4, ddim_tail=3, ratio="exact",
                             verify="stepwise", prefill_ratio=0.0)
     assert cs["accept_rate"] == 1.0 and torch.allclose(out, b, atol=1e-5)
 
 
 def test_cspd_bad_inputs():
     m = _tiny_mar()
-    g = make_generators([0])
+    g = make_rngs([0])
     with pytest.raises(ValueError, match=r"prefill_ratio must lie in \[0.0, 1.0\], got 1.5"):
         cspd.generate(m, ["a circle"], g, m, prefill_ratio=1.5)
     with pytest.raises(ValueError, match="gamma must be >= 1, got 0"):

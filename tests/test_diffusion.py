@@ -95,7 +95,7 @@ def test_mar_patches_of_the_latent_grid():
     """patch_size=2 (MAR's patchify): tokens are 2x2 latent patches, decoding unpatchifies, training runs."""
     from specgen.backbones.mar import ShapesMAR
     from specgen.decoding.mar import generate
-    from specgen.decoding.sampling import make_generators
+    from specgen.decoding.sampling import make_rngs
     from specgen.tokenizers.kl import KLAutoencoder
 
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_mar_patches_of_the_latent_grid():
     assert torch.isfinite(loss)
     kl = KLAutoencoder(image_size=16, ch=8, mults=(2, 4), z_dim=3)  # 16 px / 4 = a 4x4 latent grid
     mar.eval().attach_tokenizer(kl)
-    tokens, _ = generate(mar, ["a red circle"], make_generators([0], "cpu"), num_iter=2)
+    tokens, _ = generate(mar, ["a red circle"], make_rngs([0], "cpu"), num_iter=2)
     assert tokens.shape == (1, 4, 12)
     assert torch.allclose(mar.decode(tokens), kl.decode(mar.unpatchify(tokens)))
     with pytest.raises(ValueError, match="patch_size=3"):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import tiny_llama
 from specgen.analysis import drafter_report
 from specgen.decoding import ar, ssd
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.modules.distill_data import DistillDataModule
 from specgen.modules.distill_module import DistillModule, guided_terms
@@ -137,7 +137,7 @@ def test_ssd_with_a_row_context_drafter_equals_greedy_ar(eol):
     for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
         out, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, temperature=0, **kw)
         assert torch.equal(out, ref), kw
-    _, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, rounds=1, carry=True, generators=make_generators([0, 1]))
+    _, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, rounds=1, carry=True, rngs=make_rngs([0, 1]))
     assert st["nfe"] < m.grid.num_visual_tokens
 
 

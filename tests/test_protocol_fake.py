@@ -8,7 +8,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, TokenGrid
 from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
 
@@ -152,11 +152,11 @@ def test_lossy_decoders_fill_a_valid_grid_in_fewer_passes(eol):
     p = m.prompt_ids(PROMPTS)
     _, st_ar = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     fphi = noisy(lambda: FPhi(m.hidden_size, "xs"), 1)
-    runs = {"ssd": lambda gens: ssd.generate(m, p, fphi, cfg_scale=3.0, rounds=2, generators=gens),
-            "zipar": lambda gens: zipar.generate(m, p, cfg_scale=3.0, window=2, generators=gens)}
+    runs = {"ssd": lambda rngs: ssd.generate(m, p, fphi, cfg_scale=3.0, rounds=2, rngs=rngs),
+            "zipar": lambda rngs: zipar.generate(m, p, cfg_scale=3.0, window=2, rngs=rngs)}
     for name, run in runs.items():
-        codes, st = run(make_generators([0, 1, 2]))
-        again, _ = run(make_generators([0, 1, 2]))
+        codes, st = run(make_rngs([0, 1, 2]))
+        again, _ = run(make_rngs([0, 1, 2]))
         assert codes.shape == (3, 4, 4) and codes.min() >= 0 and codes.max() < m.grid.num_visual, name
         assert torch.equal(codes, again), name
         assert st["nfe"] < st_ar["nfe"], name

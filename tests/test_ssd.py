@@ -9,7 +9,7 @@ from scipy import stats
 
 from specgen.backbones.shapes_llama import ShapesLlama
 from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
 from helpers import tiny_llama
@@ -96,7 +96,7 @@ def test_zipar_window_w_is_ar_and_smaller_windows_save_passes(eol):
 def test_nfe_is_bounded_by_rows_times_rounds_plus_one(rounds):
     m = tiny(True)
     _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds,
-                         generators=make_generators([0, 1, 2]))
+                         rngs=make_rngs([0, 1, 2]))
     assert st["nfe"] <= m.grid.height * (rounds + 1) + 1
     assert st["accept_map"].shape == (3, m.grid.height, m.grid.width)
     assert (st["rounds_per_row"] <= rounds + 1).all()
@@ -107,13 +107,13 @@ def test_unchecked_tokens_count_what_the_last_round_left_unverified():
     poor drafter, none once every row has converged (greedy, r = W), none with carry."""
     m = tiny(True)
     p = m.prompt_ids(PROMPTS)
-    _, st0 = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, generators=make_generators([0, 1, 2]))
+    _, st0 = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, rngs=make_rngs([0, 1, 2]))
     assert st0["unchecked_tokens"].sum() > 0
     assert (st0["unchecked_tokens"] <= m.grid.num_visual_tokens).all()
     _, stw = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=m.grid.width)
     assert (stw["unchecked_tokens"] == 0).all()
     _, stc = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, carry=True,
-                          generators=make_generators([0, 1, 2]))
+                          rngs=make_rngs([0, 1, 2]))
     assert (stc["unchecked_tokens"] == 0).all()
 
 
@@ -123,7 +123,7 @@ def test_carry_spends_the_row_budget_then_only_the_flush(rounds):
     final."""
     m = tiny(True)
     _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds, carry=True,
-                         generators=make_generators([0, 1, 2]))
+                         rngs=make_rngs([0, 1, 2]))
     assert st["flush_passes"] <= m.grid.num_visual_tokens
     assert st["nfe"] <= m.grid.height * (rounds + 1) + 1 + st["flush_passes"]
     assert (st["rounds_per_row"] <= rounds + 1).all()
@@ -172,20 +172,20 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
     n = 4000
     prompt_ids = m.prompt_ids([PROMPTS[0]] * n)
-    gens = make_generators(range(n))
+    rngs = make_rngs(range(n))
     if decoder == "ar":
-        out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, generators=gens)
+        out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs)
     elif decoder == "mtp1d":
-        out, _ = mtp1d.generate(m, prompt_ids, noisy_heads(m, 2), cfg_scale=2.0, generators=gens)
+        out, _ = mtp1d.generate(m, prompt_ids, noisy_heads(m, 2), cfg_scale=2.0, rngs=rngs)
     elif decoder == "sjd":
-        out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, generators=gens, window=3, init="vertical")
+        out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs, window=3, init="vertical")
     elif decoder == "specdec":
-        out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, generators=gens, window=2)
+        out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, rngs=rngs, window=2)
     else:
         if decoder == "broken":
             monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))
         out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m), cfg_scale=2.0, exact=True,
-                              vertical=decoder != "ssd_exact_horizontal", generators=gens,
+                              vertical=decoder != "ssd_exact_horizontal", rngs=rngs,
                               draft_temperature=0.0 if decoder == "ssd_exact_argmax_draft" else None)
     p_value = _gof_pvalue(out, joint)
     if decoder == "broken":
@@ -283,13 +283,13 @@ def test_carry_images_progress_alone_in_a_batch():
     p = m.prompt_ids(prompts)
     for temperature in (0.0, 1.0):
         kw = dict(cfg_scale=3.0, temperature=temperature, rounds=1, carry=True)
-        out, st = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), max_lead=None, **kw)
+        out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), max_lead=None, **kw)
         for i in range(4):
-            one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), generators=make_generators([i]), **kw)
+            one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw)
             assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"] == st1["image_passes"][0]
         assert st["nfe"] == st["image_passes"].max()
         assert len(set(st["image_passes"].tolist())) > 1  # images do differ in the passes they need
-        _, lock = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), max_lead=0, **kw)
+        _, lock = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), max_lead=0, **kw)
         assert torch.equal(lock["image_passes"], st["image_passes"]) and lock["nfe"] >= st["nfe"]
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     assert torch.equal(ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True,
@@ -314,9 +314,9 @@ def test_window_bound_keeps_greedy_equality_and_batch_invariance():
                                max_window_rows=rows)
         assert torch.equal(out, ref)
     kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=1)
-    out, st = ssd.generate(m, p, noisy_drafter(m), generators=make_generators(range(4)), **kw)
+    out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **kw)
     for i in range(4):
-        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), generators=make_generators([i]), **kw)
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw)
         assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
     with pytest.raises(ValueError, match="max_window_rows"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)

@@ -35,7 +35,7 @@ import torch
 from specgen.decoding import cspd
 from specgen.decoding.cspd_core import evaluate_on, gauss_logpdf, run_chain
 from specgen.decoding.mar import head_step_fn, model_conditions, schedule
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 from specgen.world.prompts import TAGS, prompts as task_prompts
 
@@ -44,7 +44,7 @@ from specgen.world.prompts import TAGS, prompts as task_prompts
 def trace(target, draft, prompts: list[str], seeds: list[int], num_iter: int = 16, cfg_scale: float = 3.0,
           cfg_schedule: str = "linear", prefill_ratio: float = 0.05) -> dict:
     """Per-step terms (N tokens x K steps) of the first drafted step's ratios, and the chains' end gaps."""
-    s = cspd.start(target, draft, prompts, make_generators(seeds), num_iter, cfg_scale, cfg_schedule)
+    s = cspd.start(target, draft, prompts, make_rngs(seeds), num_iter, cfg_scale, cfg_schedule)
     sched = schedule(s.st.L, num_iter)
     si = min(cspd.prefill_steps(prefill_ratio, num_iter), num_iter - 1)  # at least one step is drafted
     cspd.prefill(s, sched[:si])

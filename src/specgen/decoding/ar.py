@@ -29,7 +29,7 @@ def visual_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: f
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 1.0,
              temperature: float = 1.0, top_k: int | None = None,
-             generators: list[torch.Generator] | None = None, use_cache: bool = True,
+             rngs: list[torch.Generator] | None = None, use_cache: bool = True,
              cfg_rows: bool | None = None, cache=None):
     """Sample visual codes (B, H, W) for prompt slots (B, P). Returns (codes, stats).
 
@@ -51,7 +51,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=device)
     for r in range(g.height):
         for c in range(g.width):
-            tok = sample(visual_logits(backbone, hidden, cfg_scale, cfg_rows), temperature, top_k, generators)  # (B,)
+            tok = sample(visual_logits(backbone, hidden, cfg_scale, cfg_rows), temperature, top_k, rngs)  # (B,)
             codes[:, r, c] = tok
             if r == g.height - 1 and c == g.width - 1:
                 break  # the last visual token is never fed

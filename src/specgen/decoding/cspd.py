@@ -79,9 +79,9 @@ class Session:
         return tempered(head_step_fn(model, z_cond, z_uncond, scale, self.ddim_tail, work), self.temperature)
 
 
-def start(target, draft, prompts: list[str], generators, num_iter: int = 16, cfg_scale: float = 3.0,
+def start(target, draft, prompts: list[str], rngs, num_iter: int = 16, cfg_scale: float = 3.0,
           cfg_schedule: str = "linear", temperature: float = 1.0, ddim_tail: int = 0) -> Session:
-    st = MARState(target, prompts, generators, cfg_scale)
+    st = MARState(target, prompts, rngs, cfg_scale)
     return Session(target, draft, st, conditioning(target, prompts, cfg_scale), conditioning(draft, prompts, cfg_scale),
                    num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
 
@@ -137,7 +137,7 @@ def own_chain(s: Session, step, rows: torch.Tensor, pos: torch.Tensor, align: bo
 
 
 def _rng(st: MARState, rows: torch.Tensor):
-    """rand/randn that draw each token's numbers from its own image's generator."""
+    """rand/randn that draw each token's numbers from its own image's RNG."""
     order = torch.argsort(rows, stable=True)  # one call per image, not per token: rows grouped by image
     images, counts = torch.unique_consecutive(rows[order], return_counts=True)
     groups = list(zip(images.tolist(), counts.tolist()))
@@ -145,7 +145,7 @@ def _rng(st: MARState, rows: torch.Tensor):
     def draw(fn, shape):
         out = torch.zeros(shape, device=st.dev)
         if groups:
-            out[order] = torch.cat([fn((n, *shape[1:]), generator=st.generators[b], device=st.dev) for b, n in groups])
+            out[order] = torch.cat([fn((n, *shape[1:]), generator=st.rngs[b], device=st.dev) for b, n in groups])
         return out
     return (lambda shape: draw(torch.rand, shape)), (lambda shape: draw(torch.randn, shape))
 
@@ -172,7 +172,7 @@ def _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner
 
 
 @torch.no_grad()
-def generate(target, prompts: list[str], generators, draft, num_iter: int = 16, cfg_scale: float = 3.0,
+def generate(target, prompts: list[str], rngs, draft, num_iter: int = 16, cfg_scale: float = 3.0,
              cfg_schedule: str = "linear", temperature: float = 1.0, prefill_ratio: float = 0.05, gamma: int = 4,
              ratio: str = "paper", align: bool = True, inner_temperature: float | None = None,
              final_std: float | None = None, acceptance: str = "per_token", verify: str = "joint",
@@ -182,7 +182,7 @@ def generate(target, prompts: list[str], generators, draft, num_iter: int = 16, 
     `inner_temperature` and `final_std` (ratio 'paper' only; None: the authors' 42 and the schedule's
     clipped posterior std at step 0 times the noise temperature) set the last-step Gaussian."""
     _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner_temperature, final_std, ddim_tail)
-    s = start(target, draft, prompts, generators, num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
+    s = start(target, draft, prompts, rngs, num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
     if ratio == "paper":
         final_std = final_std if final_std is not None else target.diffusion.final_std() * temperature
         inner_temperature = inner_temperature if inner_temperature is not None else AUTHORS_INNER_TEMPERATURE

@@ -202,15 +202,15 @@ def gaussian_residual(mu_p: torch.Tensor, mu_q: torch.Tensor, std, log_c: torch.
 
 
 def residual_sample(target_step: StepFn, draft_step: StepFn, shape: tuple[int, int], steps: int,
-                    generator: torch.Generator | None = None, max_proposals: int = 16, device="cpu",
+                    rng: torch.Generator | None = None, max_proposals: int = 16, device="cpu",
                     rand=None, randn=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw from norm(max(0, p - q)) over trajectories by acceptance-rejection with fresh target chains.
 
-    `rand`/`randn` (shape -> tensor) replace the generator when each row needs its own stream.
+    `rand`/`randn` (shape -> tensor) replace `rng` when each row needs its own stream.
     Returns (tokens (N, d), proposals used (N,), fell back (N,) bool)."""
     N, d = shape
-    rand = rand or (lambda sh: torch.rand(sh, generator=generator, device=device))
-    randn = randn or (lambda sh: torch.randn(sh, generator=generator, device=device))
+    rand = rand or (lambda sh: torch.rand(sh, generator=rng, device=device))
+    randn = randn or (lambda sh: torch.randn(sh, generator=rng, device=device))
     out = torch.zeros(shape, device=device)
     used = torch.zeros(N, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)

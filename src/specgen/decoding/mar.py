@@ -42,14 +42,14 @@ def schedule(seq_len: int, num_iter: int) -> list[int]:
     return out
 
 
-def token_noise(generators, seq_len: int, steps: int, dim: int, device) -> torch.Tensor:
+def token_noise(rngs, seq_len: int, steps: int, dim: int, device) -> torch.Tensor:
     """(B, L, steps + 1, dim): per image, per token, the initial latent then one noise per step."""
-    return torch.stack([torch.randn(seq_len, steps + 1, dim, generator=g, device=device) for g in generators])
+    return torch.stack([torch.randn(seq_len, steps + 1, dim, generator=g, device=device) for g in rngs])
 
 
-def orders(generators, seq_len: int, device) -> torch.Tensor:
+def orders(rngs, seq_len: int, device) -> torch.Tensor:
     """(B, L) a random generation order per image."""
-    return torch.stack([torch.randperm(seq_len, generator=g, device=device) for g in generators])
+    return torch.stack([torch.randperm(seq_len, generator=g, device=device) for g in rngs])
 
 
 def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int) -> float:
@@ -115,13 +115,13 @@ def model_conditions(model, tokens, mask, cond, null, scale, work: Work | None =
 class MARState:
     """Tokens, known set, order and per-token noise of a batched masked-AR generation."""
 
-    def __init__(self, model, prompts: list[str], generators, cfg_scale: float):
+    def __init__(self, model, prompts: list[str], rngs, cfg_scale: float):
         m, B = model, len(prompts)
         self.dev = m.fake_latent.device
         self.L, self.K, self.d = m.seq_len, m.diffusion.sample_steps, m.token_dim
-        self.generators = generators
-        self.noise = token_noise(generators, self.L, self.K, self.d, self.dev)  # (B, L, K + 1, d)
-        order = orders(generators, self.L, self.dev)
+        self.rngs = rngs
+        self.noise = token_noise(rngs, self.L, self.K, self.d, self.dev)  # (B, L, K + 1, d)
+        order = orders(rngs, self.L, self.dev)
         self.rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.L, device=self.dev).expand(B, -1))
         self.tokens = torch.zeros(B, self.L, self.d, device=self.dev)
         self.known = 0  # every image knows the tokens of rank < known
@@ -176,13 +176,13 @@ def work_stats(target: Work, draft: Work, batch: int, seq_len: int, steps: int, 
 
 
 @torch.no_grad()
-def generate(backbone, prompts: list[str], generators, num_iter: int = 16, cfg_scale: float = 3.0,
+def generate(backbone, prompts: list[str], rngs, num_iter: int = 16, cfg_scale: float = 3.0,
              cfg_schedule: str = "linear", temperature: float = 1.0, ddim_tail: int = 0):
     """Target-only MAR sampling: tokens (B, L, d) and stats (nfe = condition sets per image, work counts)."""
     expect_int("num_iter", num_iter, 1)
     expect_float("temperature", temperature, 0.0)
     expect_int("ddim_tail", ddim_tail, 0)
-    st = MARState(backbone, prompts, generators, cfg_scale)
+    st = MARState(backbone, prompts, rngs, cfg_scale)
     cond, null = conditioning(backbone, prompts, cfg_scale)
     work = Work()
     for target_known in schedule(st.L, num_iter):

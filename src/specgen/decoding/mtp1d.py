@@ -36,7 +36,7 @@ def _head_drafter(heads):
             if not use.any():
                 continue
             qk = st.dist(hk)  # (B, V)
-            tok = sample_probs(qk, st.gens)
+            tok = sample_probs(qk, st.rngs)
             col = (j - lo).clamp(0, span - 1)
             tokens[rows[use], col[use]] = tok[use]
             q[rows[use], col[use]] = qk[use]
@@ -48,10 +48,10 @@ def _head_drafter(heads):
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
-             temperature: float = 1.0, top_k: int | None = None, generators=None):
+             temperature: float = 1.0, top_k: int | None = None, rngs=None):
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     check_drafter(backbone, drafter, ("ahead_1",))  # heads, not a right/down (SSD) drafter
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
     stats = speculate(st, _head_drafter(drafter), window=drafter.num_heads + 1)
     return st.codes(), stats

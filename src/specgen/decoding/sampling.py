@@ -29,46 +29,46 @@ def probs(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.
     return torch.softmax(warp(logits, temperature, top_k), dim=-1)
 
 
-def uniform(shape: tuple[int, ...], generators: list[torch.Generator] | None, device) -> torch.Tensor:
-    """Uniform noise (B, ...) whose row b depends only on generators[b]. An AR image therefore does not depend
+def uniform(shape: tuple[int, ...], rngs: list[torch.Generator] | None, device) -> torch.Tensor:
+    """Uniform noise (B, ...) whose row b depends only on rngs[b]. An AR image therefore does not depend
     on its batch; decoders that run a batch in lockstep (the speculative ones) draw from every row's stream at
     every pass of the batch, so their images (not their distributions) can depend on the batch's slowest image."""
-    if generators is None:
+    if rngs is None:
         return torch.rand(shape, device=device)
-    if len(generators) != shape[0]:
-        raise ValueError(f"need one generator per row: {shape[0]} rows, {len(generators)} generators")
-    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in generators])
+    if len(rngs) != shape[0]:
+        raise ValueError(f"need one RNG per row: {shape[0]} rows, {len(rngs)} rngs")
+    return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in rngs])
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-           generators: list[torch.Generator] | None = None) -> torch.Tensor:
+           rngs: list[torch.Generator] | None = None) -> torch.Tensor:
     """Draw token ids from (B, ..., V) logits by the Gumbel-max trick (argmax when temperature is 0)."""
     if temperature == 0:
         return logits.argmax(-1)
     warped = warp(logits, temperature, top_k)
-    u = uniform(tuple(warped.shape), generators, warped.device).clamp_(1e-20, 1.0 - 1e-7)
+    u = uniform(tuple(warped.shape), rngs, warped.device).clamp_(1e-20, 1.0 - 1e-7)
     return (warped - torch.log(-torch.log(u))).argmax(-1)
 
 
-def make_generators(seeds: list[int], device="cpu") -> list[torch.Generator]:
+def make_rngs(seeds: list[int], device="cpu") -> list[torch.Generator]:
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
-def sample_probs(p: torch.Tensor, generators: list[torch.Generator] | None = None) -> torch.Tensor:
+def sample_probs(p: torch.Tensor, rngs: list[torch.Generator] | None = None) -> torch.Tensor:
     """Draw ids from probabilities (B, ..., V) by inverse CDF (exact argmax for one-hot rows)."""
     cdf = p.cumsum(-1)
-    u = uniform(tuple(p.shape[:-1]), generators, p.device) * cdf[..., -1]
+    u = uniform(tuple(p.shape[:-1]), rngs, p.device) * cdf[..., -1]
     return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
 
 
 def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                       generators: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       rngs: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling at every position: keep token t ~ q with prob min(1, p(t)/q(t)), else
     redraw from the residual norm(max(0, p - q)). tokens (B, N), p/q (B, N, V) -> (tokens, accepted)."""
     pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    accepted = uniform(tuple(tokens.shape), generators, tokens.device) * qt < pt  # u < p/q without dividing
+    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt  # u < p/q without dividing
     resid = (p - q).clamp_min(0)
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)  # p == q: rejection had prob 0
-    return torch.where(accepted, tokens, sample_probs(resid, generators)), accepted
+    return torch.where(accepted, tokens, sample_probs(resid, rngs)), accepted

@@ -42,21 +42,21 @@ class _Jacobi:
             onehot = torch.nn.functional.one_hot(up.clamp(0, V - 1), V).float()  # unset entries are masked below
             init_q = torch.where((above >= 0)[None, :, None], onehot, init_q)
         q = torch.where(fresh[..., None], init_q, q)
-        tokens = sample_probs(q, st.gens)
+        tokens = sample_probs(q, st.rngs)
         drafted = (idx[None, :] >= frontier[:, None])
         return tokens, q, drafted
 
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 3.0,
-             temperature: float = 1.0, top_k: int | None = None, generators=None, window: int = 16,
+             temperature: float = 1.0, top_k: int | None = None, rngs=None, window: int = 16,
              init: str = "random"):
     """Sample visual codes (B, H, W) by speculative Jacobi decoding. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     expect_int("window", window, 1)
     if init not in INITS:
         raise ValueError(f"unknown SJD init {init!r}: expected one of {INITS}")
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
     jacobi = _Jacobi(st, init)
     stats = speculate(st, jacobi, window=window, observe=jacobi.observe)
     return st.codes(), stats

@@ -46,7 +46,7 @@ def speculate(st: SpecState, draft_fn: DraftFn, window: int, observe=None) -> di
             observe(pidx, p)
         span = hi - lo
         cur = st.visual(vis[idx])
-        new, acc = accept_or_resample(cur, p[:, :span], q, st.gens)
+        new, acc = accept_or_resample(cur, p[:, :span], q, st.rngs)
         ok = torch.cumprod((acc | ~drafted).long(), 1).bool() & drafted  # accepted run from the frontier
         n_ok = ok.sum(1)
         stop = frontier + n_ok  # (B,) first index that is not final yet
@@ -55,7 +55,7 @@ def speculate(st: SpecState, draft_fn: DraftFn, window: int, observe=None) -> di
         col = (stop - lo).clamp(0, p.shape[1] - 1)
         rows = torch.arange(B, device=dev)
         # a rejected draft is redrawn from the residual; a fully accepted run earns a bonus draw from p
-        fix_tok = torch.where(rejected, new[rows, col.clamp_max(span - 1)], sample_probs(p[rows, col], st.gens))
+        fix_tok = torch.where(rejected, new[rows, col.clamp_max(span - 1)], sample_probs(p[rows, col], st.rngs))
         has_fix = live & (stop < N) & (stop - lo < p.shape[1])
         final = st.visual(vis[pidx])  # (B, span') incl. one index past the span
         final[rows[has_fix], col[has_fix]] = fix_tok[has_fix]

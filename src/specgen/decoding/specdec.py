@@ -25,7 +25,7 @@ def _model_drafter(draft: SpecState):
             draft.target_pass(int(vis[i]))  # the draft model's state before token i
             qi = draft.dist(draft.hid[:, int(vis[i]) - 1])
             known = i < frontier
-            tok = torch.where(known, st.visual(vis[i:i + 1])[:, 0], sample_probs(qi, st.gens))
+            tok = torch.where(known, st.visual(vis[i:i + 1])[:, 0], sample_probs(qi, st.rngs))
             draft.set_tokens(vis[i:i + 1], tok[:, None])
             tokens[:, i - lo], q[:, i - lo] = tok, qi
         st.draft_calls = draft.nfe
@@ -37,7 +37,7 @@ def _model_drafter(draft: SpecState):
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter: DiscreteBackbone,
-             cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int | None = None, generators=None,
+             cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int | None = None, rngs=None,
              window: int = 4):
     """Sample visual codes (B, H, W), `window` draft tokens per target pass. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
@@ -45,8 +45,8 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter: Disc
     if drafter.grid != backbone.grid:
         raise ValueError(f"the draft model's token grid {drafter.grid} differs from the target's {backbone.grid}: "
                          f"train the draft model on the same tokenizer and layout")
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
-    draft = SpecState(drafter, prompt_ids, cfg_scale, temperature, top_k, generators)
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
+    draft = SpecState(drafter, prompt_ids, cfg_scale, temperature, top_k, rngs)
     draft.target_pass(drafter.grid.prefix_len)
     stats = speculate(st, _model_drafter(draft), window=window)
     return st.codes(), stats

@@ -46,7 +46,7 @@ def _draft_right(st: SpecState, drafter, start: int, row: int,
     for pos in range(start + 1, g.position(row, g.width - 1) + 1):
         if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
             q = st.dist(h, draft_temperature) if is_state else st.dist_logits(h, draft_temperature)  # (B, Vv)
-            tok = sample_probs(q, st.gens)
+            tok = sample_probs(q, st.rngs)
             codes.append(tok)
             qs.append(q)
             ids = (tok + g.visual_start).repeat(st.reps)
@@ -97,7 +97,7 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
-             temperature: float = 1.0, top_k: int | None = None, generators=None, rounds: int = 2,
+             temperature: float = 1.0, top_k: int | None = None, rngs=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
@@ -120,7 +120,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, generators)
+    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
     g, B, dev = st.g, st.B, prompt_ids.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
@@ -159,7 +159,7 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
         st.target_pass(int(cols[-1]))  # the row's last candidate is conditioned on, never fed
         p = st.dist(st.hid[:, cols - 1])  # (B, W, Vv): column c from the state before it
         cur = st.visual(cols)
-        new, accepted = accept_or_resample(cur, p, proposal, st.gens)
+        new, accepted = accept_or_resample(cur, p, proposal, st.rngs)
         changes = new != cur  # (B, W)
         changed = changes.any(1)  # (B,)
         first_accept = accepted if first_accept is None else first_accept
@@ -327,7 +327,7 @@ def _verify_exact(st: SpecState, cols: torch.Tensor, q: torch.Tensor):
         st.target_pass(int(cols[-1]))
         p = st.dist(st.hid[:, cols - 1])
         cur = st.visual(cols)
-        new, accepted = accept_or_resample(cur, p, q, st.gens)
+        new, accepted = accept_or_resample(cur, p, q, st.rngs)
         open_ = col_idx[None, :] >= frontier[:, None]  # (B, W) columns still undecided
         run_ok = torch.cumprod((accepted | ~open_).long(), 1).bool()  # accepted run from the frontier
         stop = torch.where(run_ok.all(1), torch.full_like(frontier, W), (~run_ok).float().argmax(1))

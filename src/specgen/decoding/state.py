@@ -48,10 +48,10 @@ class SpecState:
     """Buffers of one batched generation: token values, latest target states, cache bookkeeping."""
 
     def __init__(self, backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float,
-                 temperature: float, top_k: int | None, generators):
+                 temperature: float, top_k: int | None, rngs):
         expect_float("cfg_scale", cfg_scale, 0.0)  # 0 = unconditional, 1 = conditional, > 1 guided
         self.bb, self.g = backbone, backbone.grid
-        self.cfg_scale, self.temperature, self.top_k, self.gens = cfg_scale, temperature, top_k, generators
+        self.cfg_scale, self.temperature, self.top_k, self.rngs = cfg_scale, temperature, top_k, rngs
         self.B = prompt_ids.shape[0]
         ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(self.B)])
         self.reps = ids.shape[0] // self.B
@@ -103,7 +103,7 @@ class SpecState:
 
     def image_gens(self, images) -> list[torch.Generator] | None:
         """The random streams of a subset of the images."""
-        return None if self.gens is None else [self.gens[int(b)] for b in images]
+        return None if self.rngs is None else [self.rngs[int(b)] for b in images]
 
     def visual(self, positions: torch.Tensor) -> torch.Tensor:
         return self.seq[: self.B, positions] - self.g.visual_start

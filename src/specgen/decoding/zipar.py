@@ -27,7 +27,7 @@ def _mask(slot_pos: torch.Tensor, new_pos: torch.Tensor, batch: int, dtype) -> t
 
 @torch.no_grad()
 def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 3.0,
-             temperature: float = 1.0, top_k: int | None = None, generators=None, window: int = 4):
+             temperature: float = 1.0, top_k: int | None = None, rngs=None, window: int = 4):
     """Sample visual codes (B, H, W) with ZipAR's parallel row schedule. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     g = backbone.grid
@@ -50,7 +50,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
         feed_ids, feed_pos, targets = [], [], []  # targets: rows whose next state each output becomes
         for r in active:
             logits = backbone.head(state[r])[..., g.visual_start: g.visual_start + g.num_visual]
-            tok = sample(guide(logits, cfg_scale) if reps == 2 else logits, temperature, top_k, generators)
+            tok = sample(guide(logits, cfg_scale) if reps == 2 else logits, temperature, top_k, rngs)
             c = count[r]
             codes[:, r, c] = tok
             count[r] += 1

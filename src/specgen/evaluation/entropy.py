@@ -11,7 +11,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone
 from specgen.decoding import ar
-from specgen.decoding.sampling import guide, make_generators, probs
+from specgen.decoding.sampling import guide, make_rngs, probs
 
 
 @torch.no_grad()
@@ -28,7 +28,7 @@ def token_entropy(backbone: DiscreteBackbone, prompts: list[str], cfg_scale: flo
         chunk = prompts[i:i + batch]
         cond = backbone.prompt_ids(chunk)
         codes, _ = ar.generate(backbone, cond, cfg_scale=cfg_scale, temperature=temperature, top_k=top_k,
-                               generators=make_generators([seed + i + k for k in range(len(chunk))],
+                               rngs=make_rngs([seed + i + k for k in range(len(chunk))],
                                                           backbone.device))
         image = g.grid_to_sequence(codes)
         prefixes = [cond] if cfg_scale == 1.0 else [cond, backbone.null_prompt_ids(len(chunk))]

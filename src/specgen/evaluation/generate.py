@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_write_text
 
 
@@ -64,7 +64,7 @@ def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: s
         batch = todo[start:start + batch_size]
         prompt_ids = backbone.prompt_ids([j.prompt for j in batch])
         t0 = time.perf_counter()
-        codes, stats = decode_fn(backbone, prompt_ids, generators=make_generators([j.seed for j in batch],
+        codes, stats = decode_fn(backbone, prompt_ids, rngs=make_rngs([j.seed for j in batch],
                                                                                    backbone.device))
         images = backbone.decode(codes)
         if images.is_cuda:

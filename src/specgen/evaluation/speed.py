@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +51,15 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
     device = backbone.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     ids = [backbone.prompt_ids(b) for b in batches]
-    decode_fn(backbone, ids[0], generators=make_generators(range(len(batches[0])), device))  # warm-up
+    decode_fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))  # warm-up
     _reset_peak(device)
     wall, nfe, drafts, extra, n = 0.0, [], [], {}, 0
     for r in range(repeats):
         for b, x in enumerate(ids):
-            gens = make_generators([seed + 1000 * r + b * batch_size + i for i in range(len(x))], device)
+            rngs = make_rngs([seed + 1000 * r + b * batch_size + i for i in range(len(x))], device)
             _sync(device)
             t0 = time.perf_counter()
-            _, stats = decode_fn(backbone, x, generators=gens)
+            _, stats = decode_fn(backbone, x, rngs=rngs)
             _sync(device)
             wall += time.perf_counter() - t0
             nfe.append(stats["nfe"])

@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from specgen.decoding import ar
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.evaluation.benchmarks import GenEval
 from specgen.utils.checkpoints import export, load_exported
 
@@ -127,7 +127,7 @@ class ValGenEval(L.Callback):
             self._tokenizer = load_exported(self.tokenizer_dir, device)
         jobs = self.bench.jobs(seed=0)
         codes, _ = ar.generate(backbone, backbone.prompt_ids([j.prompt for j in jobs]), cfg_scale=self.cfg_scale,
-                               generators=make_generators([j.seed for j in jobs], device))
+                               rngs=make_rngs([j.seed for j in jobs], device))
         images = (self._tokenizer.to(device).decode(codes).float() * 255).round().to(torch.uint8)
         scores, _ = self.bench.score(jobs, list(images.permute(0, 2, 3, 1).cpu().numpy()))
         return scores

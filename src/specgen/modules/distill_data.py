@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
 from specgen.decoding import ar
-from specgen.decoding.sampling import make_generators
+from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_savez, missing_shards
 from specgen.utils.validate import expect_int
 from specgen.world.dataset import example
@@ -121,7 +121,7 @@ class DistillDataModule(L.LightningDataModule):
                            for i in range(n)]
                 cond = backbone.prompt_ids(prompts)
                 codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
-                                       generators=make_generators([h.seed * 7_919 + base + i for i in range(n)], device),
+                                       rngs=make_rngs([h.seed * 7_919 + base + i for i in range(n)], device),
                                        cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
             s_cond, tok = teacher_states(backbone, cond, codes)
             s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
