@@ -8,7 +8,7 @@ RUN ?= logs/quickstart
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt setup.cfg pyproject.toml
+$(VENV)/.installed: requirements.txt setup.py setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -e .

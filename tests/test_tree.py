@@ -144,10 +144,12 @@ def test_a_backbone_and_a_drafter_load_without_hydra_or_lightning():
 
 def test_pip_install_gives_every_subpackage(tmp_path):
     """A non-editable `pip install .` (no download: built from a copy of the source with the installed setuptools,
-    into a fresh venv that sees the current one's dependencies) holds every subpackage, and each imports."""
+    into a fresh venv that sees the current one's dependencies) holds every subpackage, and each imports; the
+    configs are installed with it, and the entry points' configs compose from them."""
     src = tmp_path / "src_copy"
     shutil.copytree(SRC, src / "src" / "specgen", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    shutil.copytree(REPO_ROOT / "configs", src / "configs")
+    for name in ("setup.py", "setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(REPO_ROOT / name, src / name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -165,6 +167,18 @@ def test_pip_install_gives_every_subpackage(tmp_path):
             f"for name in {wanted!r}:\n"
             "    m = importlib.import_module(name)\n"
             f"    assert m.__file__ and m.__file__.startswith({site!r}), (name, m.__file__)\n"
+            # the configs travel with the package: Hydra composes the entry points' configs from them
+            "from specgen.utils.locations import config_dir\n"
+            f"assert str(config_dir()).startswith({site!r}), config_dir()\n"
+            "from hydra import compose, initialize_config_dir\n"
+            "from specgen.utils.hydra import register_resolvers\n"
+            "register_resolvers()\n"
+            "for name in ('eval', 'train'):\n"
+            "    with initialize_config_dir(str(config_dir()), version_base='1.3'):\n"
+            "        cfg = compose(name, overrides=['hydra.runtime.output_dir=.'], return_hydra_config=True)\n"
+            "    assert cfg.paths.checkpoint_dir.endswith('checkpoints'), cfg.paths.checkpoint_dir\n"
+            "from specgen.evaluation.clipscore import CONFIG_DIR\n"
+            "assert (CONFIG_DIR / 'shapes-clip.json').is_file(), CONFIG_DIR\n"
             "print('ok')\n")
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "open_clip"
+from specgen.utils.locations import config_dir
+
+CONFIG_DIR = config_dir() / "open_clip"
 
 
 def load_clip(model_name: str = "shapes-clip", checkpoint: str | None = None, device: str = "cpu"):

@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-REPO_ROOT = Path(__file__).resolve().parents[3]  # src/specgen/utils/checkpoints.py -> the repository
+from specgen.utils.locations import repo_root
+
+REPO_ROOT = repo_root()  # the clone (or $SPECGEN_ROOT): where shipped checkpoints are named from
 # The experiment that exports each shipped folder (its `export_name`), for error messages.
 PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "ar_shapes_train",
              "ar_shapes_draft": "ar_shapes_draft_train", "fphi_shapes": "fphi_shapes", "fphi_accept": "fphi_accept",

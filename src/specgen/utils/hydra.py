@@ -8,13 +8,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from specgen.utils import locations
+
 log = logging.getLogger(__name__)
-CONFIG_DIR = str(Path(__file__).resolve().parents[3] / "configs")
+CONFIG_DIR = str(locations.config_dir())
 
 
 def repo_root() -> str:
-    """The repository root (where configs/ and the shipped checkpoints/ live)."""
-    return str(Path(__file__).resolve().parents[3])
+    """The root of checkpoints/, data/ and logs/ (`paths.root_dir`): see `specgen.utils.locations`."""
+    return str(locations.repo_root())
 
 
 def autocast_precision(accelerator: str = "cpu", cpuinfo: str = "/proc/cpuinfo") -> str:
