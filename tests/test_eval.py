@@ -235,6 +235,27 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
     assert out["zipar/speed/images_bs1"] == 2 and out["ar/speed/peak_mem_mb_bs1"] > 0
 
 
+def test_speed_averages_per_image_statistics_over_images():
+    """Per-image statistics (1-D, one value per prompt, as SSD's accept_rate and image_passes) are averaged over
+    all images of all batches; per-batch scalars over batches."""
+    import torch
+
+    from specgen.evaluation.speed import measure
+
+    class Fake:
+        device = torch.device("cpu")
+
+        def prompt_ids(self, prompts):
+            return torch.arange(len(prompts))
+
+    def decode(backbone, ids, rngs=None):  # image i of every batch: 10 x its id + 1 passes
+        return None, {"nfe": 7, "image_passes": ids.float() * 10 + 1, "tokens_per_pass": float(len(ids))}
+
+    res = measure(Fake(), decode, ["a", "b", "c"], batch_size=2)  # batches [a, b], [c]: ids (0, 1), (0,)
+    assert res["image_passes"] == pytest.approx((1 + 11 + 1) / 3)
+    assert res["tokens_per_pass"] == pytest.approx((2 + 1) / 2) and res["nfe"] == 7
+
+
 @pytest.mark.slow
 def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval

@@ -64,9 +64,13 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
             wall += time.perf_counter() - t0
             nfe.append(stats["nfe"])
             drafts.append(stats.get("draft_calls", 0))
-            for k, v in stats.items():  # other scalar statistics (acceptance rates, proposals, ...)
-                if k not in ("nfe", "draft_calls") and isinstance(v, (int, float)):
+            for k, v in stats.items():  # other statistics: per batch (scalars) or per image (1-D, one per prompt)
+                if k in ("nfe", "draft_calls"):
+                    continue
+                if isinstance(v, (int, float)):
                     extra.setdefault(k, []).append(float(v))
+                elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(x):  # averaged over images
+                    extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
             n += len(x)
     return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)),
             "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
