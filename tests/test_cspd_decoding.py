@@ -85,6 +85,27 @@ def test_draft_equal_to_target_accepts_everything_under_stepwise_verification():
         assert joint["accept_rate"] < 0.9 and joint["target_sets"] == 2, ratio
 
 
+def test_acceptance_is_counted_per_image_and_generation_step():
+    """step_drafted / step_accepted (B, num_iter) add up to the totals; pre-fill steps draft nothing; the runner
+    pools them into alpha per step."""
+    from specgen.evaluation.runner import alpha_by_step
+
+    m = _tiny_mar(0)
+    d = _near(m, 0.03)
+    sched = mar.schedule(16, 4)
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=2, prefill_ratio=0.25,
+                          inner_temperature=1e4)
+    drafted, accepted = st["step_drafted"], st["step_accepted"]
+    assert drafted.shape == (2, 4) and float(drafted.sum()) == st["drafted"] and float(accepted.sum()) == st["accepted"]
+    assert drafted[:, 0].sum() == 0 and bool((accepted <= drafted).all())
+    assert drafted[0, 1] == sched[1] - sched[0]  # the first drafted step fills its schedule's share of each image
+    per_image = [{"step_drafted": drafted[b].tolist(), "step_accepted": accepted[b].tolist()} for b in range(2)]
+    alpha = alpha_by_step("cspd", per_image)
+    assert "cspd/alpha_by_step/s00" not in alpha
+    for i in range(1, 4):
+        assert alpha[f"cspd/alpha_by_step/s{i:02d}"] == pytest.approx(float(accepted[:, i].sum() / drafted[:, i].sum()))
+
+
 def test_accepted_tokens_keep_the_drafts_value():
     """Everything accepted (density temperature 1e9), one round: CSpD returns the draft's own generation."""
     m, d = _tiny_mar(0), _tiny_mar(1)

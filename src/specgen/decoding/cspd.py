@@ -192,19 +192,26 @@ def generate(target, prompts: list[str], rngs, draft, num_iter: int = 16, cfg_sc
     si = prefill_steps(prefill_ratio, num_iter)
     prefill(s, sched[:si])
     stats = {"drafted": 0, "accepted": 0, "proposals": 0, "fallbacks": 0, "rounds": 0}
+    by_step = torch.zeros(2, len(prompts), num_iter, device=s.st.dev)  # per image: drafted, accepted per MAR step
     while si < len(sched):
         drafted, d_tokens = draft_steps(s, sched[si: si + gamma])
-        s.st.known = verify_round(s, drafted, d_tokens, verify == "stepwise", stats, **judge)
+        s.st.known = verify_round(s, drafted, d_tokens, verify == "stepwise", stats, **judge, first_step=si,
+                                  by_step=by_step)
         si = next((i for i, k in enumerate(sched) if k > s.st.known), len(sched))
         stats["rounds"] += 1
     work = work_stats(s.work_t, s.work_d, len(prompts), s.st.L, s.st.K, num_iter, cfg_scale)
     return s.st.tokens, {**stats, **work, "draft_calls": float(s.work_d.calls), "prefill_steps": prefill_steps(
-        prefill_ratio, num_iter), "accept_rate": stats["accepted"] / max(stats["drafted"], 1)}
+        prefill_ratio, num_iter), "accept_rate": stats["accepted"] / max(stats["drafted"], 1),
+        "step_drafted": by_step[0], "step_accepted": by_step[1]}
 
 
 def verify_round(s: Session, drafted: list[Drafted], d_tokens, stepwise: bool, stats: dict, ratio: str, align: bool,
-                 inner_temperature, final_std, acceptance: str, density_temperature: float, max_proposals: int) -> int:
-    """Judge a round's drafted tokens, write accepted or corrected ones into the tokens; return the new known count."""
+                 inner_temperature, final_std, acceptance: str, density_temperature: float, max_proposals: int,
+                 first_step: int = 0, by_step: torch.Tensor | None = None) -> int:
+    """Judge a round's drafted tokens, write accepted or corrected ones into the tokens; return the new known count.
+
+    `by_step` (2, B, num_iter), when given, receives per image the drafted and accepted counts of each MAR step
+    (the round's drafted steps are `first_step`, `first_step + 1`, ...)."""
     st = s.st
     z_t = target_view(s, drafted, d_tokens, stepwise)
     chain = Trajectory.cat([d.chain for d in drafted])
@@ -240,6 +247,10 @@ def verify_round(s: Session, drafted: list[Drafted], d_tokens, stepwise: bool, s
     st.tokens[rows[keep], pos[keep]] = tok[keep]
     stats["drafted"] += int(keep.sum())
     stats["accepted"] += int((keep & ok).sum())
+    if by_step is not None:
+        at = (rows[keep], first_step + step_of[keep])
+        by_step[0].index_put_(at, torch.ones_like(at[1], dtype=by_step.dtype), accumulate=True)
+        by_step[1].index_put_(at, ok[keep].to(by_step.dtype), accumulate=True)
     return drafted[last].end
 
 

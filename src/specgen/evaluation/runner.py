@@ -75,6 +75,7 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
     if maps:
         acceptance_map_png(np.mean(maps, 0), out_dir / f"accept_map_{name}.png", f"{name}: first-pass acceptance")
+    metrics.update(alpha_by_step(name, stats))
     grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
                       ncols=cfg.grid_cols)
     return metrics, rows, grid
@@ -117,6 +118,8 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     names = list(strategies)
     if benchmarks and any(f"{n}/geneval/overall" in metrics for n in names):
         speed_quality_png(metrics, names, out_dir / "speed_quality.png", min(cfg.speed.batch_sizes))
+    if any("/alpha_by_step/" in k for k in metrics):
+        alpha_steps_png(metrics, names, out_dir / "alpha_steps.png")
     _log(cfg, metrics, None, rows)
     print(format_table(metrics))
     print(summary_table(metrics, names, list(cfg.speed.batch_sizes)))
@@ -145,6 +148,37 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
             cells += f"{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}"
         lines.append(f"{n:<14}{cells}")
     return "\n".join(lines)
+
+
+def alpha_by_step(name: str, stats: list[dict]) -> dict[str, float]:
+    """CSpD's acceptance rate at each MAR generation step, pooled over the images (`<name>/alpha_by_step/sNN`);
+    steps with no drafted token (pre-fill) are left out."""
+    per = [(np.asarray(st["step_drafted"], float), np.asarray(st["step_accepted"], float))
+           for st in stats if "step_drafted" in st]
+    if not per:
+        return {}
+    drafted, accepted = (np.sum([p[i] for p in per], 0) for i in (0, 1))
+    return {f"{name}/alpha_by_step/s{i:02d}": float(accepted[i] / drafted[i])
+            for i in range(len(drafted)) if drafted[i] > 0}
+
+
+def alpha_steps_png(metrics: dict[str, float], names: list[str], path: Path) -> None:
+    """Acceptance rate along the generation steps, one line per strategy that drafts."""
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=120)
+    for n in names:
+        pts = sorted((int(k.rsplit("/s", 1)[1]), v) for k, v in metrics.items() if k.startswith(f"{n}/alpha_by_step/"))
+        if pts:
+            ax.plot([p[0] + 1 for p in pts], [p[1] for p in pts], "o-", ms=3, label=n)
+    ax.set_xlabel("MAR generation step")
+    ax.set_ylabel("acceptance rate alpha")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def speed_quality_png(metrics: dict[str, float], names: list[str], path: Path, batch_size: int) -> None:
