@@ -119,7 +119,7 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
-    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_exact", "cspd_lossless", "cspd_tail"}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_exact", "cspd_lossless", "cspd_tail"}
     assert set(drafts.values()) == {draft}
     lossless = cfg["strategies"]["cspd_lossless"]["fn"]
     assert (lossless["ratio"], lossless["acceptance"], lossless["verify"]) == ("exact", "prefix", "stepwise")

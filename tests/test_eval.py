@@ -261,7 +261,7 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_exact", "cspd_lossless", "cspd_tail")
+    cspds = ("cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_exact", "cspd_lossless", "cspd_tail")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.fidelity.num_prompts=4",
@@ -275,9 +275,10 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                 "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
                 "cspd/geneval/overall_ci95", "cspd_exact/fidelity/fid", "target/fidelity/fid",
                 "cspd_lossless/accept_rate", "cspd_lossless/geneval/overall", "cspd/speed/target_work_ratio",
-                "cspd_tail/accept_rate", "target_tail/geneval/overall"):
+                "cspd_tail/accept_rate", "target_tail/geneval/overall", "cspd/alpha_by_step/s01",
+                "cspd_t10_noalign/accept_rate"):
         assert key in m, key
-    assert m["target/speed/wall_ratio"] == 1.0
+    assert m["target/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
     # the tiny draft is the target itself: the exact ratio is 1 on every trajectory, so nothing is rejected
     assert m["cspd_exact/accept_rate"] == 1.0 and m["cspd_lossless/accept_rate"] == 1.0
 
