@@ -4,8 +4,9 @@ diffusion head. Module names follow MAR's release so that its `model_ema` weight
 
 forward (training): patchify -> order -> mask (truncated-normal ratio, min 0.7) -> encode the
 visible tokens with the condition buffer -> decode with mask tokens -> diffusion loss on masked tokens.
-Sampling is `specgen.decoding.mar`'s job; this module exposes the pieces it needs: `condition`,
-`conditions` (one masked-AR step: per-token diffusion conditions) and the head (`denoise`).
+Sampling is `specgen.decoding.mar`'s job; the model implements `backbones.continuous.ContinuousBackbone`
+(`conditioning`, `plan`: random order and cosine schedule, `step_conditions`: one masked-AR step's per-token
+diffusion conditions, `transition`: the head's guided DDPM step) over `condition`, `conditions` and `denoise`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 from scipy import stats
 from timm.models.vision_transformer import Block
 
+from specgen.backbones.continuous import class_ids, cosine_schedule, random_ranks
 from specgen.backbones.diffusion import DenoiserMLP, GaussianDiffusion
 
 PRESETS = {  # name -> (width, encoder depth, decoder depth, heads, head width, head depth)
@@ -103,10 +105,16 @@ class ShapesMAR(nn.Module):
     def device(self) -> torch.device:
         return self.fake_latent.device
 
-    def prompt_ids(self, prompts: list[str]) -> list[str]:
-        """Continuous decoders take the prompts themselves (validated here, conditioned later)."""
-        if self.cond == "prompt":
-            self.condition(prompts)
+    @property
+    def num_steps(self) -> int:
+        return self.diffusion.sample_steps
+
+    def prompt_ids(self, prompts: list[str]) -> list:
+        """Continuous decoders take the prompts themselves (validated here, conditioned later); class
+        prompts are class ids ('207' or 207)."""
+        if self.cond == "class":
+            return class_ids(prompts, self.class_emb.num_embeddings)
+        self.condition(prompts)
         return list(prompts)
 
     def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesMAR":
@@ -155,6 +163,8 @@ class ShapesMAR(nn.Module):
     def condition(self, prompts: list[str] | torch.Tensor) -> torch.Tensor:
         """Buffer embeddings (B, buffer, D): prompt words left-padded into the slots, or a class label."""
         if self.cond == "class":
+            if not isinstance(prompts, torch.Tensor):
+                prompts = class_ids(prompts, self.class_emb.num_embeddings)
             return self.class_emb(torch.as_tensor(prompts, device=self.fake_latent.device))[:, None].expand(
                 -1, self.buffer_size, -1)
         from specgen.world.prompts import tokenize_words
@@ -213,6 +223,46 @@ class ShapesMAR(nn.Module):
     def denoise(self, x_t: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The diffusion head: (N, d), (N,), (N, D) -> epsilon [and v] (N, d or 2d)."""
         return self.diffloss.net(x_t, t, z)
+
+    # ---- the continuous protocol (backbones.continuous) -------------------------------------------
+    def conditioning(self, prompts: list, guided: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(condition buffer (B, buffer, D), the null buffer when guided, else None)."""
+        return self.condition(prompts), (self.null_condition(len(prompts)) if guided else None)
+
+    def plan(self, rngs, num_iter: int) -> tuple[torch.Tensor, list[int]]:
+        """MAR's: a random order per image (from its generator) and the cosine schedule."""
+        return random_ranks(rngs, self.seq_len, self.device), cosine_schedule(self.seq_len, num_iter)
+
+    def step_conditions(self, tokens: torch.Tensor, unknown: torch.Tensor, conditioning,
+                        image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token conditions (N, L, D) of both branches from one encoder/decoder call (rows stacked)."""
+        cond, null = conditioning
+        if image is not None:
+            cond, null = cond[image], (None if null is None else null[image])
+        if null is None:
+            return self.conditions(tokens, unknown, cond), None
+        z = self.conditions(torch.cat([tokens, tokens]), torch.cat([unknown, unknown]), torch.cat([cond, null]))
+        return z.chunk(2)
+
+    def transition(self, x: torch.Tensor, i, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, scale,
+                   tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's guided DDPM step: CFG on epsilon (MAR's), the variance channel of the conditional row."""
+        diff, d = self.diffusion, self.token_dim
+        if isinstance(i, torch.Tensor):
+            t = diff.timesteps.to(x.device)[i.to(x.device)]
+        else:
+            t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
+        if z_uncond is None or (not isinstance(scale, torch.Tensor) and scale == 1.0):
+            out = self.denoise(x, t, z_cond)
+        else:
+            both = self.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([z_cond, z_uncond]))
+            c, u = both.chunk(2)  # (N, d or 2d) each
+            s = scale[:, None] if isinstance(scale, torch.Tensor) else scale
+            out = torch.cat([u[:, :d] + s * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
+        return diff.step_mean_var(out, x, i, tail)
+
+    def final_std(self) -> float:
+        return self.diffusion.final_std()
 
     # ---- training --------------------------------------------------------------------------------
     def mask_ratio(self) -> float:
