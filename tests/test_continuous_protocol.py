@@ -135,7 +135,7 @@ def test_a_draft_with_other_chains_is_refused():
         mar.generate(m, PROMPTS, make_rngs([0, 1]))
 
 
-SLOW = {"cspd_lossless", "cspd_tail", "target_tail"}
+SLOW = {"cspd_lossless", "cspd_tail", "target_tail", "cspd_noalign", "cspd_aligned"}  # the default run: 4 cases
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c[0] in SLOW else c for c in CASES],
