@@ -36,7 +36,8 @@ class ShapesMAR(nn.Module):
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
                  proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None,
-                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm", min_snr_gamma: float | None = None):
+                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm", min_snr_gamma: float | None = None,
+                 x0_clip: float | None = 10.0):
         super().__init__()
         if patch_size < 1 or grid_size % patch_size:
             raise ValueError(f"patch_size={patch_size} must be >= 1 and divide grid_size={grid_size} "
@@ -88,7 +89,7 @@ class ShapesMAR(nn.Module):
         self._init_weights()
         self.diffloss = nn.Module()
         self.diffloss.net = DenoiserMLP(token_dim, D, hw, hd, learn_sigma=variance == "learned_range")
-        self.diffusion = GaussianDiffusion(train_steps, sample_steps, "cosine", variance)
+        self.diffusion = GaussianDiffusion(train_steps, sample_steps, "cosine", variance, x0_clip)  # None: MAR's
 
     def _init_weights(self):
         for p in (self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,
@@ -324,32 +325,3 @@ class ShapesMAR(nn.Module):
         snr = self.diffusion.snr(t)
         return (snr.clamp(max=self.min_snr_gamma) / snr).float()
 
-
-def load_mar_release(path: str, num_heads: int | None = None, sample_steps: int = 100, key: str = "model_ema",
-                     **kwargs) -> ShapesMAR:
-    """Build a class-conditional ShapesMAR from an official MAR checkpoint (`torch.load(path)[key]`).
-
-    Sizes are read off the weights (width, encoder/decoder depth, buffer size, latent size, diffusion
-    head width/depth); heads follow MAR's presets (768 -> 12, 1024 and 1280 -> 16) unless given."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if key not in ckpt:
-        raise KeyError(f"{path}: no {key!r} entry (found {sorted(ckpt)[:5]}); MAR releases hold 'model_ema' and 'model'")
-    sd = ckpt[key]
-    D = sd["z_proj.weight"].shape[0]
-    depth = lambda prefix: 1 + max(int(k.split(".")[1]) for k in sd if k.startswith(prefix + "."))
-    head_depth = 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("diffloss.net.res_blocks."))
-    heads = num_heads or {768: 12, 1024: 16, 1280: 16}.get(D)
-    if heads is None:
-        raise ValueError(f"width {D} is not a MAR release size: pass num_heads explicitly")
-    seq_plus_buffer = sd["encoder_pos_embed_learned"].shape[1]
-    seq_len = sd["diffusion_pos_embed_learned"].shape[1]
-    learned = sd["diffloss.net.final_layer.linear.weight"].shape[0] == 2 * sd["z_proj.weight"].shape[1]
-    model = ShapesMAR(grid_size=int(round(seq_len ** 0.5)), token_dim=sd["z_proj.weight"].shape[1], cond="class",
-                      num_classes=sd["class_emb.weight"].shape[0], buffer_size=seq_plus_buffer - seq_len,
-                      sample_steps=sample_steps, variance="learned_range" if learned else "fixed_small",
-                      sizes=(D, depth("encoder_blocks"), depth("decoder_blocks"), heads,
-                             sd["diffloss.net.input_proj.weight"].shape[0], head_depth), **kwargs)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: keys do not map onto ShapesMAR: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model.eval()
