@@ -18,11 +18,11 @@ evaluation are `model_ema`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 
 import torch
 
+from specgen.backbones.loading import file_id
 from specgen.backbones.mar import ShapesMAR
 from specgen.tokenizers.kl16 import load_kl16
 
@@ -30,15 +30,6 @@ from specgen.tokenizers.kl16 import load_kl16
 PRESETS = {"base": (768, 12, 12, 12, 1024, 6), "large": (1024, 16, 16, 16, 1280, 8),
            "huge": (1280, 20, 20, 16, 1536, 12)}
 PAPER_CFG = {"base": 2.9, "large": 3.0, "huge": 3.2}  # MAR's README, with the linear schedule
-
-
-def file_id(path: str | Path) -> str:
-    """Identity of a weights file: a hash of its bytes."""
-    h = hashlib.sha1()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def read_checkpoint(path: str | Path, key: str | None = "model_ema", allow_pickle: bool = False) -> dict:
