@@ -184,18 +184,20 @@ class ShapesMAR(nn.Module):
 
     # ---- one masked step: per-token conditions -------------------------------------------------
     def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor,
-                   num_known: int | None = None) -> torch.Tensor:
+                   num_known: int | None = None, between=None) -> torch.Tensor:
         """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D).
 
         The encoder sees the buffer and the known tokens only (MAR drops the others). Rows may know different
         numbers of tokens: they are then padded to the longest row and the padding is hidden from attention,
         so one call serves several masked steps at once (CSpD's verification). `num_known` (known tokens per
-        row, all rows alike), when the caller knows it, spares a device-to-host sync."""
+        row, all rows alike), when the caller knows it, spares a device-to-host sync. `between(x, valid)` maps the
+        encoder's output (B, n, D) (valid (B, n) bool, or None when no row is padded) before the decoder
+        (Harmon: plus the language model's residual)."""
         B, L, _ = tokens.shape
         x = torch.cat([cond, self.z_proj(tokens)], dim=1) + self.encoder_pos_embed_learned  # (B, buffer+L, D)
         x = self.z_proj_ln(x)
         keep = torch.cat([torch.ones(B, self.buffer_size, device=x.device, dtype=torch.bool), mask < 0.5], dim=1)
-        attn_mask = None
+        attn_mask = valid = None
         if num_known is None:
             counts = keep.sum(1)
             if bool((counts == counts[0]).all()):
@@ -210,7 +212,10 @@ class ShapesMAR(nn.Module):
             attn_mask = valid[:, None, None, :]  # (B, 1, 1, n): every query sees the valid keys only
         for blk in self.encoder_blocks:
             x = blk(x, attn_mask=attn_mask)
-        x = self.decoder_embed(self.encoder_norm(x))
+        x = self.encoder_norm(x)
+        if between is not None:
+            x = between(x, valid)
+        x = self.decoder_embed(x)
         full = self.mask_token.expand(B, self.buffer_size + L, -1).clone()
         if attn_mask is None:
             full[keep] = x.reshape(-1, x.shape[-1]).to(full.dtype)  # autocast may have run the encoder in bf16
