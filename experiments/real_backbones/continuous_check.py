@@ -14,7 +14,7 @@ Random weights say nothing about acceptance: measure it with real weights (exper
 and pass it with --accept. `--tiny` runs the same on tiny models on CPU (the test suite does).
 
     python experiments/real_backbones/continuous_check.py --out logs/continuous_check          # GPU
-    python experiments/real_backbones/continuous_check.py --tiny --batches 1 2 --out /tmp/cc    # anywhere
+    python experiments/real_backbones/continuous_check.py --tiny --batches 1 2 --out logs/cc_tiny  # anywhere
 """
 from __future__ import annotations
 
