@@ -53,9 +53,10 @@ def test_mar_sampling_is_reproducible_per_image_and_counts_its_work():
 def test_linear_cfg_schedule_counts_the_tokens_known_after_the_step():
     """MAR: the scale of a step is 1 + (cfg - 1) x (known after the step) / L, never 1 with guidance."""
     m = _tiny_mar()
-    st = mar.MARState(m, PROMPTS, make_rngs([0, 1]), 3.0)
-    sched = mar.schedule(st.L, 4)
-    _, _, z = mar.mar_step(m, st, *mar.conditioning(m, PROMPTS, 3.0), sched[0], 3.0, "linear", 1.0)
+    st = mar.MARState(m, make_rngs([0, 1]), 4)
+    sched = st.schedule
+    assert sched == mar.schedule(st.L, 4)
+    _, _, z = mar.mar_step(m, st, mar.conditioning(m, PROMPTS, 3.0), sched[0], 3.0, "linear", 1.0)
     assert z[2] == pytest.approx(1 + 2.0 * sched[0] / 16) and z[2] > 1
     assert mar.cfg_at(3.0, "linear", 16, 16) == 3.0 and mar.cfg_at(3.0, "constant", 1, 16) == 3.0
 

@@ -218,7 +218,8 @@ def test_vlb_term_vanishes_for_the_true_posterior():
 
 def test_mar_release_layout_loads_by_name(tmp_path):
     """A tiny model saved with MAR's key names under 'model_ema' loads into the same outputs."""
-    from specgen.backbones.mar import ShapesMAR, load_mar_release
+    from specgen.backbones.mar import ShapesMAR
+    from specgen.backbones.mar_release import load_mar_release
 
     torch.manual_seed(0)
     src = ShapesMAR(grid_size=4, token_dim=3, cond="class", num_classes=10, buffer_size=8,
@@ -229,12 +230,13 @@ def test_mar_release_layout_loads_by_name(tmp_path):
               "diffloss.net.res_blocks.1.adaLN_modulation.1.weight", "diffloss.net.final_layer.linear.weight"):
         assert k in sd, k  # the official release's names
     torch.save({"model_ema": sd, "model": sd}, tmp_path / "checkpoint-last.pth")
-    loaded = load_mar_release(str(tmp_path / "checkpoint-last.pth"), num_heads=4, sample_steps=5)
+    tiny = dict(sizes=(32, 2, 1, 4, 16, 2), num_classes=10, buffer_size=8, grid_size=4, token_dim=3, sample_steps=5)
+    loaded = load_mar_release(str(tmp_path / "checkpoint-last.pth"), **tiny)
     tokens, mask = torch.randn(2, 16, 3), torch.cat([torch.zeros(2, 6), torch.ones(2, 10)], 1)
     cond = loaded.condition(torch.tensor([3, 7]))
     assert torch.allclose(loaded.conditions(tokens, mask, cond), src.conditions(tokens, mask, src.condition(torch.tensor([3, 7]))))
     with pytest.raises(KeyError, match="no 'ema' entry"):
-        load_mar_release(str(tmp_path / "checkpoint-last.pth"), key="ema")
+        load_mar_release(str(tmp_path / "checkpoint-last.pth"), key="ema", **tiny)
 
 
 def test_transition_kl_matches_torch_distributions():

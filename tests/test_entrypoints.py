@@ -68,7 +68,8 @@ def _check_targets(cfg: dict) -> list[str]:
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_resolves_and_names_real_objects(exp, tmp_path):
     entry = "train" if exp in TRAIN_EXPERIMENTS else "eval"
-    cfg = OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}"], tmp_path), resolve=True)
+    paths = {"real_continuous": ["mar_pair.draft_path=/weights/mar_base.pth"]}.get(exp, [])  # given by the user
+    cfg = OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}", *paths], tmp_path), resolve=True)
     checked = _check_targets(cfg)
     if entry == "train":  # what train.py builds: data, module (with its network), trainer
         assert {"data", "module", "module.net", "trainer"} <= set(checked), checked
@@ -79,7 +80,8 @@ def test_every_experiment_composes_resolves_and_names_real_objects(exp, tmp_path
                                             f"utils.checkpoints.PRODUCERS is {PRODUCERS[name]}: make them agree")
     else:  # what eval.py builds: the generator and each strategy's function
         assert "generator" in checked and any(w.endswith("fn") for w in checked), checked
-        assert cfg["generator"]["_target_"] == "specgen.backbones.loading.load_shapes_generator"
+        real = {"real_continuous": "specgen.backbones.mar_release.load_mar_release"}  # released weights by path
+        assert cfg["generator"]["_target_"] == real.get(exp, "specgen.backbones.loading.load_shapes_generator")
 
 
 def test_every_config_group_option_composes_and_builds(tmp_path):

@@ -34,7 +34,7 @@ import torch
 
 from specgen.decoding import cspd
 from specgen.decoding.cspd_core import evaluate_on, gauss_logpdf, run_chain
-from specgen.decoding.mar import head_step_fn, model_conditions, schedule
+from specgen.decoding.mar import conditioning, head_step_fn, step_conditions
 from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 from specgen.world.prompts import TAGS, prompts as task_prompts
@@ -45,8 +45,8 @@ def trace(target, draft, prompts: list[str], seeds: list[int], num_iter: int = 1
           cfg_schedule: str = "linear", prefill_ratio: float = 0.05) -> dict:
     """Per-step terms (N tokens x K steps) of the first drafted step's ratios, and the chains' end gaps."""
     s = cspd.start(target, draft, prompts, make_rngs(seeds), num_iter, cfg_scale, cfg_schedule)
-    sched = schedule(s.st.L, num_iter)
-    si = min(cspd.prefill_steps(prefill_ratio, num_iter), num_iter - 1)  # at least one step is drafted
+    sched = s.st.schedule
+    si = min(cspd.prefill_steps(prefill_ratio, len(sched)), len(sched) - 1)  # at least one step is drafted
     cspd.prefill(s, sched[:si])
     drafted, d_tokens = cspd.draft_steps(s, [sched[si]])
     step_p = s.head(target, *cspd.target_view(s, drafted, d_tokens, stepwise=False))  # one step: joint = stepwise
@@ -69,7 +69,7 @@ def trace(target, draft, prompts: list[str], seeds: list[int], num_iter: int = 1
     res = {k: torch.stack(v, 1) for k, v in out.items()}  # (N, K), column k = k-th sampling step (noisiest first)
     res["end_gap2_aligned"] = (own.sample - chain.sample).pow(2).sum(-1)  # |x^q_0 - x^p_0|^2
     res["end_gap2_indep"] = (ind.sample - chain.sample).pow(2).sum(-1)
-    res.update(final_std=target.diffusion.final_std(), drafted_step=si, known=s.st.known)
+    res.update(final_std=target.final_std(), drafted_step=si, known=s.st.known)
     return res
 
 
@@ -117,24 +117,23 @@ def _clock(fn, repeats: int = 2) -> float:
 def costs(target, draft, batch: int, num_iter: int = 16, cfg_scale: float = 3.0, gamma: int = 4,
           prefill_ratio: float = 0.05) -> dict:
     """Seconds per generation of `batch` images for each piece of target-only sampling and of CSpD."""
-    L, K, d = target.seq_len, target.diffusion.sample_steps, target.token_dim
-    prompts = ["a photo of a red circle"] * batch
-    tokens = torch.randn(batch, L, d)
+    L, K, d = target.seq_len, target.num_steps, target.token_dim
+    prompts = target.prompt_ids(["a photo of a red circle"] * batch)
+    tokens = torch.randn(batch, L, d, device=target.device)
+    rank, sched = target.plan(make_rngs(range(batch), target.device), num_iter)
+    num_iter = len(sched)
     out = {}
     for name, m in (("target", target), ("draft", draft)):
-        cond, null = m.condition(prompts), m.null_condition(batch)
-        sets = []
-        for known in [0] + schedule(L, num_iter)[:-1]:  # one condition set per MAR step, as sampling does
-            mask = torch.ones(batch, L)
-            mask[:, :known] = 0
-            sets.append(mask)
-        out[f"{name}/transformer"] = sum(_clock(lambda mk=mk: model_conditions(m, tokens, mk, cond, null, cfg_scale),
-                                                1) for mk in sets)
+        conds = conditioning(m, prompts, cfg_scale)
+        sets = [(rank >= known).float() for known in [0] + sched[:-1]]  # one condition set per step, as sampling
+        run = lambda mk: step_conditions(m, tokens, mk, conds, cfg_scale != 1.0)
+        out[f"{name}/transformer"] = sum(_clock(lambda mk=mk: run(mk), 1) for mk in sets)
         n = batch * L // num_iter  # tokens of an average step
-        z = torch.randn(n, m.decoder_norm.normalized_shape[0])
-        step = head_step_fn(m, z, z, cfg_scale)
-        noise = [torch.randn(n, d) for _ in range(K)]
-        chain = run_chain(step, torch.randn(n, d), noise)
+        zc, zu = run(sets[0])
+        z, zu = zc.flatten(0, 1)[:n], None if zu is None else zu.flatten(0, 1)[:n]  # real conditions, (n, D)
+        step = head_step_fn(m, z, zu, cfg_scale)
+        noise = [torch.randn(n, d, device=target.device) for _ in range(K)]
+        chain = run_chain(step, torch.randn(n, d, device=target.device), noise)
         out[f"{name}/head_sampling"] = num_iter * _clock(lambda: run_chain(step, chain.states[0], noise), 1)
         out[f"{name}/head_batched_eval"] = num_iter * _clock(lambda: evaluate_on(step, chain.states), 1)
     out["target_only"] = out["target/transformer"] + out["target/head_sampling"]

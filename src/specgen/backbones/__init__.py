@@ -1,5 +1,5 @@
-"""Backbones behind one protocol per family (discrete: TokenGrid + DiscreteBackbone)."""
-from specgen.backbones.protocol import DiscreteBackbone, TokenGrid
+"""Backbones behind one protocol per family (discrete: TokenGrid + DiscreteBackbone; continuous: ContinuousBackbone)."""
+from specgen.backbones.protocol import ContinuousBackbone, DiscreteBackbone, TokenGrid
 from specgen.backbones.shapes_llama import ShapesLlama
 
-__all__ = ["DiscreteBackbone", "ShapesLlama", "TokenGrid"]
+__all__ = ["ContinuousBackbone", "DiscreteBackbone", "ShapesLlama", "TokenGrid"]

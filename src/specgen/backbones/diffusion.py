@@ -96,12 +96,13 @@ class GaussianDiffusion:
     """DDPM schedule with respacing; all tensors are float64 on CPU, cast at use."""
 
     def __init__(self, train_steps: int = 1000, sample_steps: int = 100, schedule: str = "cosine",
-                 variance: str = "fixed_small"):
+                 variance: str = "fixed_small", x0_clip: float | None = 10.0):
         if variance not in VARIANCES:
             raise ValueError(f"unknown variance type {variance!r}: expected one of {VARIANCES}")
         if not 1 <= sample_steps <= train_steps:
             raise ValueError(f"sample_steps must lie in [1, train_steps={train_steps}], got {sample_steps}")
         self.train_steps, self.sample_steps, self.variance = train_steps, sample_steps, variance
+        self.x0_clip = x0_clip  # None: MAR's sampler (clip_denoised=False); 10: this repo's guard of the noisiest steps
         if schedule == "cosine":
             s = torch.arange(train_steps + 1, dtype=torch.float64) / train_steps
             f = torch.cos((s + 0.008) / 1.008 * math.pi / 2) ** 2
@@ -183,7 +184,9 @@ class GaussianDiffusion:
         if per_row:
             i = i.to(x_t.device)
         s1, sa, c0, ct, log_beta, log_small, sp, s1p = (table[:, i] if per_row else table[:, i:i + 1])[..., None]
-        x0 = ((x_t - s1 * eps) / sa).clamp(-10, 10)  # guards the noisiest steps
+        x0 = (x_t - s1 * eps) / sa
+        if self.x0_clip is not None:  # guards the noisiest steps (x0 = noise / sqrt(a_t), a_t ~ 1e-8 at t = 999)
+            x0 = x0.clamp(-self.x0_clip, self.x0_clip)
         mean = c0 * x0 + ct * x_t
         if ddim_tail > 0:  # eps re-derived from the clamped x0, as DDIM does
             ddim = sp * x0 + s1p * (x_t - sa * x0) / s1

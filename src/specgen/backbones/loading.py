@@ -16,6 +16,20 @@ def weights_id(dirpath: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def file_id(path: str | Path) -> str:
+    """Identity of released weights: a hash of the file's bytes, or of a folder's weight files (sorted by name)."""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".pth", ".pt", ".ckpt")) \
+        if path.is_dir() else [path]
+    h = hashlib.sha1()
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def load_shapes_generator(backbone_dir: str, tokenizer_dir: str, device: str = "cpu"):
     """An embedded backbone (AR or MAR-style) with its tokenizer attached, frozen, in eval mode."""
     backbone = load_exported(backbone_dir, device)

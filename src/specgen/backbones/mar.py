@@ -4,8 +4,9 @@ diffusion head. Module names follow MAR's release so that its `model_ema` weight
 
 forward (training): patchify -> order -> mask (truncated-normal ratio, min 0.7) -> encode the
 visible tokens with the condition buffer -> decode with mask tokens -> diffusion loss on masked tokens.
-Sampling is `specgen.decoding.mar`'s job; this module exposes the pieces it needs: `condition`,
-`conditions` (one masked-AR step: per-token diffusion conditions) and the head (`denoise`).
+Sampling is `specgen.decoding.mar`'s job; the model implements `backbones.continuous.ContinuousBackbone`
+(`conditioning`, `plan`: random order and cosine schedule, `step_conditions`: one masked-AR step's per-token
+diffusion conditions, `transition`: the head's guided DDPM step) over `condition`, `conditions` and `denoise`.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn as nn
 from scipy import stats
 from timm.models.vision_transformer import Block
 
+from specgen.backbones.continuous import class_ids, cosine_schedule, random_ranks
 from specgen.backbones.diffusion import DenoiserMLP, GaussianDiffusion
 
 PRESETS = {  # name -> (width, encoder depth, decoder depth, heads, head width, head depth)
@@ -34,7 +36,8 @@ class ShapesMAR(nn.Module):
                  label_drop_prob: float = 0.1, diffusion_batch_mul: int = 4, train_steps: int = 1000,
                  sample_steps: int = 100, variance: str = "learned_range", attn_dropout: float = 0.0,
                  proj_dropout: float = 0.0, sizes: tuple[int, int, int, int, int, int] | None = None,
-                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm", min_snr_gamma: float | None = None):
+                 patch_size: int = 1, mask_ratio_dist: str = "truncnorm", min_snr_gamma: float | None = None,
+                 x0_clip: float | None = 10.0):
         super().__init__()
         if patch_size < 1 or grid_size % patch_size:
             raise ValueError(f"patch_size={patch_size} must be >= 1 and divide grid_size={grid_size} "
@@ -86,7 +89,7 @@ class ShapesMAR(nn.Module):
         self._init_weights()
         self.diffloss = nn.Module()
         self.diffloss.net = DenoiserMLP(token_dim, D, hw, hd, learn_sigma=variance == "learned_range")
-        self.diffusion = GaussianDiffusion(train_steps, sample_steps, "cosine", variance)
+        self.diffusion = GaussianDiffusion(train_steps, sample_steps, "cosine", variance, x0_clip)  # None: MAR's
 
     def _init_weights(self):
         for p in (self.class_emb.weight, self.fake_latent, self.mask_token, self.encoder_pos_embed_learned,
@@ -103,10 +106,16 @@ class ShapesMAR(nn.Module):
     def device(self) -> torch.device:
         return self.fake_latent.device
 
-    def prompt_ids(self, prompts: list[str]) -> list[str]:
-        """Continuous decoders take the prompts themselves (validated here, conditioned later)."""
-        if self.cond == "prompt":
-            self.condition(prompts)
+    @property
+    def num_steps(self) -> int:
+        return self.diffusion.sample_steps
+
+    def prompt_ids(self, prompts: list[str]) -> list:
+        """Continuous decoders take the prompts themselves (validated here, conditioned later); class
+        prompts are class ids ('207' or 207)."""
+        if self.cond == "class":
+            return class_ids(prompts, self.class_emb.num_embeddings)
+        self.condition(prompts)
         return list(prompts)
 
     def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesMAR":
@@ -155,6 +164,8 @@ class ShapesMAR(nn.Module):
     def condition(self, prompts: list[str] | torch.Tensor) -> torch.Tensor:
         """Buffer embeddings (B, buffer, D): prompt words left-padded into the slots, or a class label."""
         if self.cond == "class":
+            if not isinstance(prompts, torch.Tensor):
+                prompts = class_ids(prompts, self.class_emb.num_embeddings)
             return self.class_emb(torch.as_tensor(prompts, device=self.fake_latent.device))[:, None].expand(
                 -1, self.buffer_size, -1)
         from specgen.world.prompts import tokenize_words
@@ -173,18 +184,20 @@ class ShapesMAR(nn.Module):
 
     # ---- one masked step: per-token conditions -------------------------------------------------
     def conditions(self, tokens: torch.Tensor, mask: torch.Tensor, cond: torch.Tensor,
-                   num_known: int | None = None) -> torch.Tensor:
+                   num_known: int | None = None, between=None) -> torch.Tensor:
         """tokens (B, L, d), mask (B, L) with 1 = unknown, cond (B, buffer, D) -> diffusion conditions (B, L, D).
 
         The encoder sees the buffer and the known tokens only (MAR drops the others). Rows may know different
         numbers of tokens: they are then padded to the longest row and the padding is hidden from attention,
         so one call serves several masked steps at once (CSpD's verification). `num_known` (known tokens per
-        row, all rows alike), when the caller knows it, spares a device-to-host sync."""
+        row, all rows alike), when the caller knows it, spares a device-to-host sync. `between(x, valid)` maps the
+        encoder's output (B, n, D) (valid (B, n) bool, or None when no row is padded) before the decoder
+        (Harmon: plus the language model's residual)."""
         B, L, _ = tokens.shape
         x = torch.cat([cond, self.z_proj(tokens)], dim=1) + self.encoder_pos_embed_learned  # (B, buffer+L, D)
         x = self.z_proj_ln(x)
         keep = torch.cat([torch.ones(B, self.buffer_size, device=x.device, dtype=torch.bool), mask < 0.5], dim=1)
-        attn_mask = None
+        attn_mask = valid = None
         if num_known is None:
             counts = keep.sum(1)
             if bool((counts == counts[0]).all()):
@@ -199,7 +212,10 @@ class ShapesMAR(nn.Module):
             attn_mask = valid[:, None, None, :]  # (B, 1, 1, n): every query sees the valid keys only
         for blk in self.encoder_blocks:
             x = blk(x, attn_mask=attn_mask)
-        x = self.decoder_embed(self.encoder_norm(x))
+        x = self.encoder_norm(x)
+        if between is not None:
+            x = between(x, valid)
+        x = self.decoder_embed(x)
         full = self.mask_token.expand(B, self.buffer_size + L, -1).clone()
         if attn_mask is None:
             full[keep] = x.reshape(-1, x.shape[-1]).to(full.dtype)  # autocast may have run the encoder in bf16
@@ -213,6 +229,46 @@ class ShapesMAR(nn.Module):
     def denoise(self, x_t: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The diffusion head: (N, d), (N,), (N, D) -> epsilon [and v] (N, d or 2d)."""
         return self.diffloss.net(x_t, t, z)
+
+    # ---- the continuous protocol (backbones.continuous) -------------------------------------------
+    def conditioning(self, prompts: list, guided: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(condition buffer (B, buffer, D), the null buffer when guided, else None)."""
+        return self.condition(prompts), (self.null_condition(len(prompts)) if guided else None)
+
+    def plan(self, rngs, num_iter: int) -> tuple[torch.Tensor, list[int]]:
+        """MAR's: a random order per image (from its generator) and the cosine schedule."""
+        return random_ranks(rngs, self.seq_len, self.device), cosine_schedule(self.seq_len, num_iter)
+
+    def step_conditions(self, tokens: torch.Tensor, unknown: torch.Tensor, conditioning,
+                        image: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token conditions (N, L, D) of both branches from one encoder/decoder call (rows stacked)."""
+        cond, null = conditioning
+        if image is not None:
+            cond, null = cond[image], (None if null is None else null[image])
+        if null is None:
+            return self.conditions(tokens, unknown, cond), None
+        z = self.conditions(torch.cat([tokens, tokens]), torch.cat([unknown, unknown]), torch.cat([cond, null]))
+        return z.chunk(2)
+
+    def transition(self, x: torch.Tensor, i, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, scale,
+                   tail: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's guided DDPM step: CFG on epsilon (MAR's), the variance channel of the conditional row."""
+        diff, d = self.diffusion, self.token_dim
+        if isinstance(i, torch.Tensor):
+            t = diff.timesteps.to(x.device)[i.to(x.device)]
+        else:
+            t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
+        if z_uncond is None or (not isinstance(scale, torch.Tensor) and scale == 1.0):
+            out = self.denoise(x, t, z_cond)
+        else:
+            both = self.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([z_cond, z_uncond]))
+            c, u = both.chunk(2)  # (N, d or 2d) each
+            s = scale[:, None] if isinstance(scale, torch.Tensor) else scale
+            out = torch.cat([u[:, :d] + s * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
+        return diff.step_mean_var(out, x, i, tail)
+
+    def final_std(self) -> float:
+        return self.diffusion.final_std()
 
     # ---- training --------------------------------------------------------------------------------
     def mask_ratio(self) -> float:
@@ -274,32 +330,3 @@ class ShapesMAR(nn.Module):
         snr = self.diffusion.snr(t)
         return (snr.clamp(max=self.min_snr_gamma) / snr).float()
 
-
-def load_mar_release(path: str, num_heads: int | None = None, sample_steps: int = 100, key: str = "model_ema",
-                     **kwargs) -> ShapesMAR:
-    """Build a class-conditional ShapesMAR from an official MAR checkpoint (`torch.load(path)[key]`).
-
-    Sizes are read off the weights (width, encoder/decoder depth, buffer size, latent size, diffusion
-    head width/depth); heads follow MAR's presets (768 -> 12, 1024 and 1280 -> 16) unless given."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if key not in ckpt:
-        raise KeyError(f"{path}: no {key!r} entry (found {sorted(ckpt)[:5]}); MAR releases hold 'model_ema' and 'model'")
-    sd = ckpt[key]
-    D = sd["z_proj.weight"].shape[0]
-    depth = lambda prefix: 1 + max(int(k.split(".")[1]) for k in sd if k.startswith(prefix + "."))
-    head_depth = 1 + max(int(k.split(".")[3]) for k in sd if k.startswith("diffloss.net.res_blocks."))
-    heads = num_heads or {768: 12, 1024: 16, 1280: 16}.get(D)
-    if heads is None:
-        raise ValueError(f"width {D} is not a MAR release size: pass num_heads explicitly")
-    seq_plus_buffer = sd["encoder_pos_embed_learned"].shape[1]
-    seq_len = sd["diffusion_pos_embed_learned"].shape[1]
-    learned = sd["diffloss.net.final_layer.linear.weight"].shape[0] == 2 * sd["z_proj.weight"].shape[1]
-    model = ShapesMAR(grid_size=int(round(seq_len ** 0.5)), token_dim=sd["z_proj.weight"].shape[1], cond="class",
-                      num_classes=sd["class_emb.weight"].shape[0], buffer_size=seq_plus_buffer - seq_len,
-                      sample_steps=sample_steps, variance="learned_range" if learned else "fixed_small",
-                      sizes=(D, depth("encoder_blocks"), depth("decoder_blocks"), heads,
-                             sd["diffloss.net.input_proj.weight"].shape[0], head_depth), **kwargs)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{path}: keys do not map onto ShapesMAR: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    return model.eval()

@@ -1,4 +1,5 @@
-"""What decoding algorithms may see of a discrete backbone: the token-grid layout and a small protocol."""
+"""What decoding algorithms may see of a backbone: the token-grid layout and a small protocol per family (discrete
+here; continuous in `backbones.continuous`, re-exported at the end)."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,3 +86,7 @@ class DiscreteBackbone(Protocol):
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...                # (B, q) -> (B, q, D)
     def rollback(self, cache, length: int) -> None: ...
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...             # (B, H, W) -> (B, 3, S, S) in [0, 1]
+
+
+# ---- continuous backbones (MAR, xAR, Harmon): defined in backbones.continuous -------------------------------
+from specgen.backbones.continuous import ContinuousBackbone  # noqa: E402,F401  (one import path for both families)

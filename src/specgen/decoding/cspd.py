@@ -1,4 +1,6 @@
-"""Continuous speculative decoding (CSpD) for masked-AR backbones with diffusion heads.
+"""Continuous speculative decoding (CSpD) for continuous-token backbones whose per-token head samples by
+Gaussian transitions (`backbones.continuous.ContinuousBackbone`: MAR, xAR, Harmon, the embedded MAR). A "MAR
+step" below is one generation step of the backbone's plan (xAR: one next-X unit).
 
   prefill  the target runs the first ceil(prefill_ratio x num_iter) MAR steps alone (the paper's
            pre-filling counts generation steps; 5% of 256 in the authors' demo);
@@ -35,7 +37,8 @@ import torch
 from specgen.decoding.cspd_core import (RATIOS, Trajectory, accept, aligned_log_ratio, exact_log_ratio,
                                         gaussian_residual, normaliser_log_ratio, paper_log_ratio, residual_sample,
                                         run_chain, tempered)
-from specgen.decoding.mar import (MARState, Work, conditioning, head_step_fn, mar_step, model_conditions, schedule,
+from specgen.backbones.continuous import check_pair
+from specgen.decoding.mar import (MARState, Work, check_prompts, conditioning, head_step_fn, mar_step, step_conditions,
                                   work_stats)
 from specgen.utils.validate import expect_float, expect_int
 
@@ -59,8 +62,8 @@ class Session:
     target: object
     draft: object
     st: MARState
-    conds_t: tuple
-    conds_d: tuple
+    conds_t: object  # each model's own conditioning (opaque: passed back to it)
+    conds_d: object
     num_iter: int
     cfg_scale: float
     cfg_schedule: str
@@ -73,6 +76,10 @@ class Session:
     def sampler(self):
         return self.cfg_scale, self.cfg_schedule, self.temperature
 
+    @property
+    def guided(self) -> bool:
+        return self.cfg_scale != 1.0
+
     def head(self, model, z_cond, z_uncond, scale):
         """The tempered step function of a model's head, counted in that model's work."""
         work = self.work_t if model is self.target else self.work_d
@@ -81,7 +88,8 @@ class Session:
 
 def start(target, draft, prompts: list[str], rngs, num_iter: int = 16, cfg_scale: float = 3.0,
           cfg_schedule: str = "linear", temperature: float = 1.0, ddim_tail: int = 0) -> Session:
-    st = MARState(target, prompts, rngs, cfg_scale)
+    check_prompts(prompts, rngs)
+    st = MARState(target, rngs, num_iter)
     return Session(target, draft, st, conditioning(target, prompts, cfg_scale), conditioning(draft, prompts, cfg_scale),
                    num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
 
@@ -94,7 +102,7 @@ def prefill_steps(prefill_ratio: float, num_iter: int) -> int:
 def prefill(s: Session, ends: list[int]) -> None:
     """Target-only MAR steps, each ending with `ends[j]` tokens known."""
     for end in ends:
-        mar_step(s.target, s.st, *s.conds_t, end, *s.sampler, ddim_tail=s.ddim_tail, work=s.work_t)
+        mar_step(s.target, s.st, s.conds_t, end, *s.sampler, ddim_tail=s.ddim_tail, work=s.work_t)
         s.st.known = end
 
 
@@ -102,7 +110,7 @@ def draft_steps(s: Session, ends: list[int]) -> tuple[list[Drafted], torch.Tenso
     """The draft's MAR steps on a copy of the tokens: (one Drafted per step, the drafted tokens (B, L, d))."""
     d_tokens, known, out = s.st.tokens.clone(), s.st.known, []
     for end in ends:
-        idx, chain, z = mar_step(s.draft, s.st, *s.conds_d, end, *s.sampler, tokens=d_tokens, known=known,
+        idx, chain, z = mar_step(s.draft, s.st, s.conds_d, end, *s.sampler, tokens=d_tokens, known=known,
                                  ddim_tail=s.ddim_tail, work=s.work_d)
         out.append(Drafted(idx, chain, z, known, end))
         known = end
@@ -112,16 +120,15 @@ def draft_steps(s: Session, ends: list[int]) -> tuple[list[Drafted], torch.Tenso
 def target_view(s: Session, drafted: list[Drafted], d_tokens: torch.Tensor, stepwise: bool):
     """The target's conditions (z_cond (N, D), z_uncond, scale (N,)) of the round's drafted tokens, stacked
     in drafted order, from one transformer call: one condition set (joint) or one per drafted step."""
-    st, (cond, null) = s.st, s.conds_t
+    st = s.st
     G = len(drafted)
     if not stepwise:
-        zc, zu = model_conditions(s.target, st.tokens, (st.rank >= st.known).float(), cond, null, s.cfg_scale,
-                                  s.work_t)
+        zc, zu = step_conditions(s.target, st.tokens, (st.rank >= st.known).float(), s.conds_t, s.guided, s.work_t)
         per_step = [(zc, zu)] * G
-    else:  # step j sees the known set plus drafted steps < j: mask (G * B, L)
+    else:  # step j sees the known set plus drafted steps < j: mask (G * B, L), row g * B + b is image b
         mask = torch.cat([(st.rank >= d.start).float() for d in drafted])
-        rep = lambda t: None if t is None else t.repeat(G, *([1] * (t.dim() - 1)))
-        zc, zu = model_conditions(s.target, rep(d_tokens), mask, rep(cond), rep(null), s.cfg_scale, s.work_t)
+        image = torch.arange(len(st.rngs), device=st.dev).repeat(G)
+        zc, zu = step_conditions(s.target, d_tokens.repeat(G, 1, 1), mask, s.conds_t, s.guided, s.work_t, image)
         per_step = list(zip(zc.chunk(G), [None] * G if zu is None else zu.chunk(G)))
     z_c = torch.cat([c[d.idx] for (c, _), d in zip(per_step, drafted)])
     z_u = None if zu is None else torch.cat([u[d.idx] for (_, u), d in zip(per_step, drafted)])
@@ -165,10 +172,9 @@ def _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner
         expect_float("inner_temperature", inner_temperature, 1e-6)
     if final_std is not None:
         expect_float("final_std", final_std, 1e-12)
-    if ddim_tail >= target.diffusion.sample_steps:
-        raise ValueError(f"ddim_tail={ddim_tail} must be below the head's {target.diffusion.sample_steps} "
-                         f"sampling steps")
-    target.check_draft(draft)
+    if ddim_tail >= target.num_steps:
+        raise ValueError(f"ddim_tail={ddim_tail} must be below the head's {target.num_steps} sampling steps")
+    check_pair(target, draft)
 
 
 @torch.no_grad()
@@ -184,11 +190,12 @@ def generate(target, prompts: list[str], rngs, draft, num_iter: int = 16, cfg_sc
     _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner_temperature, final_std, ddim_tail)
     s = start(target, draft, prompts, rngs, num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
     if ratio == "paper":
-        final_std = final_std if final_std is not None else target.diffusion.final_std() * temperature
+        final_std = final_std if final_std is not None else target.final_std() * temperature
         inner_temperature = inner_temperature if inner_temperature is not None else AUTHORS_INNER_TEMPERATURE
     judge = dict(ratio=ratio, align=align, inner_temperature=inner_temperature, final_std=final_std,
                  acceptance=acceptance, density_temperature=density_temperature, max_proposals=max_proposals)
-    sched = schedule(s.st.L, num_iter)
+    sched = s.st.schedule
+    num_iter = len(sched)  # the backbone's plan may fix its own step count (xAR: one step per next-X unit)
     si = prefill_steps(prefill_ratio, num_iter)
     prefill(s, sched[:si])
     stats = {"drafted": 0, "accepted": 0, "proposals": 0, "fallbacks": 0, "rounds": 0}

@@ -1,5 +1,7 @@
-"""Masked-AR sampling of a continuous backbone (MAR): random order, cosine mask schedule, per-token
-diffusion head with classifier-free guidance (constant or linear schedule) and noise temperature.
+"""Target-only sampling of a continuous backbone (`backbones.continuous.ContinuousBackbone`): MAR's sampler
+for MAR and Harmon (random order, cosine schedule), next-X for xAR (the backbone's plan says which tokens a
+step fills), with classifier-free guidance (constant or linear schedule) and noise temperature; each token
+drawn by the backbone's chain of Gaussian transitions.
 
 Every token owns its noise (initial latent and per-step noise), drawn up front from its image's
 generator, so a token's noise does not depend on when or by which model it is generated: this is
@@ -7,18 +9,18 @@ what aligns draft and target trajectories in CSpD, and makes runs reproducible p
 
 The linear guidance schedule is MAR's: the scale of a step is 1 + (cfg - 1) x (tokens known after the
 step) / L. `ddim_tail` > 0 (not MAR's sampler; the baseline of CSpD's deterministic-tail variant)
-makes the last `ddim_tail` stochastic denoising steps deterministic DDIM steps.
+makes the last `ddim_tail` stochastic denoising steps deterministic (DDIM steps for a DDPM head).
 
 Work is counted as it is done (`Work`): transformer calls, transformer rows (one image's context,
-CFG branches counted) and denoiser rows (one token at one denoising step, CFG branches counted).
+CFG branches counted) and head rows (one token at one denoising step, CFG branches counted).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
+from specgen.backbones.continuous import cosine_schedule as schedule  # noqa: F401  (MAR's, re-exported)
 from specgen.decoding.cspd_core import run_chain, tempered
 from specgen.utils.validate import expect_float, expect_int
 
@@ -31,25 +33,9 @@ class Work:
     head_rows: int = 0  # denoiser evaluations: one token at one denoising step per CFG branch
 
 
-def schedule(seq_len: int, num_iter: int) -> list[int]:
-    """Tokens known after each of the num_iter steps (MAR's cosine schedule, at least one per step)."""
-    known, out = 0, []
-    for step in range(num_iter):
-        masked = math.floor(seq_len * math.cos(math.pi / 2 * (step + 1) / num_iter))
-        masked = max(0, min(seq_len - known - 1, masked)) if step < num_iter - 1 else 0
-        known = seq_len - masked
-        out.append(known)
-    return out
-
-
 def token_noise(rngs, seq_len: int, steps: int, dim: int, device) -> torch.Tensor:
     """(B, L, steps + 1, dim): per image, per token, the initial latent then one noise per step."""
     return torch.stack([torch.randn(seq_len, steps + 1, dim, generator=g, device=device) for g in rngs])
-
-
-def orders(rngs, seq_len: int, device) -> torch.Tensor:
-    """(B, L) a random generation order per image."""
-    return torch.stack([torch.randperm(seq_len, generator=g, device=device) for g in rngs])
 
 
 def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int) -> float:
@@ -73,56 +59,39 @@ def head_step_fn(model, z_cond: torch.Tensor, z_uncond: torch.Tensor | None, sca
     `scale` is one guidance scale or a tensor (N,) of per-token scales (tokens of several MAR steps).
     `i` is a step index, or (`step.batched`) a LongTensor of per-row indices for rows that stack several
     steps' states of the same tokens (z is then repeated to match: one call evaluates a whole chain)."""
-    diff = model.diffusion
-    d = model.token_dim
     guided = z_uncond is not None and (isinstance(scale, torch.Tensor) or scale != 1.0)
 
     def step(x: torch.Tensor, i):
         reps = x.shape[0] // z_cond.shape[0]
-        if isinstance(i, torch.Tensor):
-            t = diff.timesteps.to(x.device)[i.to(x.device)]
-        else:
-            t = torch.full((x.shape[0],), int(diff.timesteps[i]), device=x.device)
         zc = z_cond.repeat(reps, 1) if reps > 1 else z_cond
+        zu = z_uncond.repeat(reps, 1) if reps > 1 and z_uncond is not None else z_uncond
+        s = scale.repeat(reps) if isinstance(scale, torch.Tensor) and reps > 1 else scale
         if work is not None:
             work.head_rows += x.shape[0] * (2 if guided else 1)
-        if not guided:
-            out = model.denoise(x, t, zc)
-        else:
-            zu = z_uncond.repeat(reps, 1) if reps > 1 else z_uncond
-            both = model.denoise(torch.cat([x, x]), torch.cat([t, t]), torch.cat([zc, zu]))
-            c, u = both.chunk(2)  # (N, d or 2d) each
-            s = scale.repeat(reps)[:, None] if isinstance(scale, torch.Tensor) else scale
-            out = torch.cat([u[:, :d] + s * (c[:, :d] - u[:, :d]), c[:, d:]], dim=-1)
-        return diff.step_mean_var(out, x, i, ddim_tail)
+        return model.transition(x, i, zc, zu, s, ddim_tail)
 
     step.batched = True
     return step
 
 
-def model_conditions(model, tokens, mask, cond, null, scale, work: Work | None = None):
-    """Per-token diffusion conditions (B, L, D) for the conditional and, with guidance, unconditional rows."""
-    single = scale == 1.0 and null is None
+def step_conditions(model, tokens, unknown, conds, guided: bool, work: Work | None = None, image=None):
+    """Per-token conditions (N, L, D) of both branches from one transformer call, counted in `work`."""
     if work is not None:
         work.calls += 1
-        work.rows += tokens.shape[0] * (1 if single else 2)
-    if single:
-        return model.conditions(tokens, mask, cond), None
-    z = model.conditions(torch.cat([tokens, tokens]), torch.cat([mask, mask]), torch.cat([cond, null]))
-    return z.chunk(2)
+        work.rows += tokens.shape[0] * (2 if guided else 1)
+    return model.step_conditions(tokens, unknown, conds, image)
 
 
 class MARState:
-    """Tokens, known set, order and per-token noise of a batched masked-AR generation."""
+    """Tokens, known set, plan (order and schedule) and per-token noise of a batched generation."""
 
-    def __init__(self, model, prompts: list[str], rngs, cfg_scale: float):
-        m, B = model, len(prompts)
-        self.dev = m.fake_latent.device
-        self.L, self.K, self.d = m.seq_len, m.diffusion.sample_steps, m.token_dim
+    def __init__(self, model, rngs, num_iter: int):
+        B = len(rngs)
+        self.dev = model.device
+        self.L, self.K, self.d = model.seq_len, model.num_steps, model.token_dim
         self.rngs = rngs
         self.noise = token_noise(rngs, self.L, self.K, self.d, self.dev)  # (B, L, K + 1, d)
-        order = orders(rngs, self.L, self.dev)
-        self.rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.L, device=self.dev).expand(B, -1))
+        self.rank, self.schedule = model.plan(rngs, num_iter)  # (B, L), known after each step
         self.tokens = torch.zeros(B, self.L, self.d, device=self.dev)
         self.known = 0  # every image knows the tokens of rank < known
 
@@ -135,20 +104,21 @@ class MARState:
         return ((self.rank >= lo) & (self.rank < hi)).nonzero(as_tuple=True)
 
 
-def conditioning(model, prompts: list[str], cfg_scale: float):
-    return model.condition(prompts), (model.null_condition(len(prompts)) if cfg_scale != 1.0 else None)
+def conditioning(model, prompts: list, cfg_scale: float):
+    """The model's conditioning of the prompts, with the unconditional branch when guided."""
+    return model.conditioning(prompts, cfg_scale != 1.0)
 
 
-def mar_step(model, st: MARState, cond, null, target_known: int, cfg_scale: float, cfg_schedule: str,
+def mar_step(model, st: MARState, conds, target_known: int, cfg_scale: float, cfg_schedule: str,
              temperature: float, tokens: torch.Tensor | None = None, known: int | None = None, ddim_tail: int = 0,
              work: Work | None = None):
-    """One masked-AR step of `model`: sample the tokens of rank [known, target_known) into `tokens`.
+    """One generation step of `model`: sample the tokens of rank [known, target_known) into `tokens`.
 
     Returns (index of the new tokens, their chain, their conditions (z_cond, z_uncond, scale))."""
     tokens = st.tokens if tokens is None else tokens
     known = st.known if known is None else known
     scale = cfg_at(cfg_scale, cfg_schedule, target_known, st.L)
-    zc, zu = model_conditions(model, tokens, (st.rank >= known).float(), cond, null, scale, work)
+    zc, zu = step_conditions(model, tokens, (st.rank >= known).float(), conds, cfg_scale != 1.0, work)
     idx = st.span(known, target_known)
     z = (zc[idx], None if zu is None else zu[idx], scale)
     step = tempered(head_step_fn(model, *z, ddim_tail=ddim_tail, work=work), temperature)
@@ -178,15 +148,23 @@ def work_stats(target: Work, draft: Work, batch: int, seq_len: int, steps: int, 
 @torch.no_grad()
 def generate(backbone, prompts: list[str], rngs, num_iter: int = 16, cfg_scale: float = 3.0,
              cfg_schedule: str = "linear", temperature: float = 1.0, ddim_tail: int = 0):
-    """Target-only MAR sampling: tokens (B, L, d) and stats (nfe = condition sets per image, work counts)."""
+    """Target-only sampling: tokens (B, L, d) and stats (nfe = condition sets per image, work counts)."""
     expect_int("num_iter", num_iter, 1)
     expect_float("temperature", temperature, 0.0)
     expect_int("ddim_tail", ddim_tail, 0)
-    st = MARState(backbone, prompts, rngs, cfg_scale)
-    cond, null = conditioning(backbone, prompts, cfg_scale)
+    check_prompts(prompts, rngs)
+    st = MARState(backbone, rngs, num_iter)
+    conds = conditioning(backbone, prompts, cfg_scale)
     work = Work()
-    for target_known in schedule(st.L, num_iter):
-        mar_step(backbone, st, cond, null, target_known, cfg_scale, cfg_schedule, temperature, ddim_tail=ddim_tail,
+    for target_known in st.schedule:
+        mar_step(backbone, st, conds, target_known, cfg_scale, cfg_schedule, temperature, ddim_tail=ddim_tail,
                  work=work)
         st.known = target_known
-    return st.tokens, work_stats(work, Work(), len(prompts), st.L, st.K, num_iter, cfg_scale)
+    return st.tokens, work_stats(work, Work(), len(prompts), st.L, st.K, len(st.schedule), cfg_scale)
+
+
+def check_prompts(prompts: list, rngs) -> None:
+    """One generator per image."""
+    if len(prompts) != len(rngs):
+        raise ValueError(f"{len(prompts)} prompts but {len(rngs)} generators: give one generator per image "
+                         f"(decoding.sampling.make_rngs(seeds))")

@@ -151,3 +151,29 @@ class Fidelity:
 
         out = fidelity(list(images), self.reference(), self.extractor_dir, self.inception_weights, self.cache_dir)
         return out, []
+
+
+class ClassFidelity:
+    """FID / IS of class-conditional samples (prompts are class ids, `per_class` images of each of the first
+    `num_classes` classes) against reference statistics given by path (ImageNet: ADM's reference batch)."""
+
+    name = "fidelity"
+
+    def __init__(self, reference_stats: str, extractor_dir: str | None = None, inception_weights: str | None = None,
+                 num_classes: int = 1000, per_class: int = 1):
+        if num_classes < 1 or per_class < 1:
+            raise ValueError(f"num_classes={num_classes} and per_class={per_class} must be >= 1 (FID-50K on "
+                             f"ImageNet: 1000 and 50)")
+        self.reference_stats, self.extractor_dir, self.inception_weights = reference_stats, extractor_dir, \
+            inception_weights
+        self.num_classes, self.per_class = num_classes, per_class
+
+    def jobs(self, seed: int) -> list[Job]:
+        return [Job(str(c), job_seed(seed, str(c), k), {"tag": "class", "class": c}, k)
+                for c in range(self.num_classes) for k in range(self.per_class)]
+
+    def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
+        from specgen.evaluation.fidelity import fidelity_to_statistics  # deferred, as above
+
+        return fidelity_to_statistics(list(images), self.reference_stats, self.extractor_dir,
+                                      self.inception_weights), []

@@ -106,3 +106,61 @@ def fidelity(images: list[np.ndarray], reference: list[np.ndarray], extractor_di
     out = {names[k]: float(v) for k, v in metrics.items() if k in names}
     out["num_images"] = float(len(images))
     return out
+
+
+def features(images: list[np.ndarray], extractor_dir: str | None = None, inception_weights: str | None = None
+             ) -> dict[str, torch.Tensor]:
+    """Pool features (FID) and logits (IS) of uint8 images with the shapes feature net or a local Inception v3."""
+    from torch_fidelity.utils import create_feature_extractor, get_featuresdict_from_dataset
+
+    if (extractor_dir is None) == (inception_weights is None):
+        raise ValueError("give exactly one of extractor_dir (the shapes feature net) or inception_weights "
+                         "(a local Inception v3 weights file)")
+    path = extractor_dir or inception_weights
+    if not Path(path).exists():
+        raise FileNotFoundError(f"feature extractor weights {path!r} not found: give an existing local file or folder")
+    _register()
+    cuda = torch.cuda.is_available()
+    if extractor_dir:
+        name, layers = EXTRACTOR, ["features", "logits_unbiased"]
+    else:
+        name, layers = "inception-v3-compat", ["2048", "logits_unbiased"]
+    fe = create_feature_extractor(name, layers, cuda=cuda, feature_extractor_weights_path=path, verbose=False)
+    out = get_featuresdict_from_dataset(Images(images), fe, 64, cuda, True, False)
+    return {"pool": out[layers[0]], "logits": out["logits_unbiased"]}
+
+
+def reference_statistics(images: list[np.ndarray], path: str | Path, **extractor) -> None:
+    """Write FID reference statistics (mu, sigma of the pool features) of `images` to an npz."""
+    from specgen.utils.checkpoints import atomic_savez
+
+    f = features(images, **extractor)["pool"].double().numpy()
+    atomic_savez(path, mu=f.mean(0), sigma=np.cov(f, rowvar=False))
+
+
+def fidelity_to_statistics(images: list[np.ndarray], reference_stats: str | Path, extractor_dir: str | None = None,
+                           inception_weights: str | None = None) -> dict[str, float]:
+    """FID against reference statistics (an npz with `mu` and `sigma`, e.g. ADM's ImageNet 256 reference batch,
+    whose Inception features torch-fidelity's inception-v3-compat reproduces) and IS (10 splits)."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+    from torch_fidelity.metric_isc import isc_features_to_metric
+
+    if not Path(reference_stats).is_file():
+        raise FileNotFoundError(f"reference statistics {str(reference_stats)!r} not found: give an npz with mu and "
+                                f"sigma (benchmark.fidelity.reference_stats=<npz>)")
+    if len(images) < 2:
+        raise ValueError(f"FID needs at least 2 images, got {len(images)}")
+    ref = np.load(reference_stats)
+    if "mu" not in ref or "sigma" not in ref:
+        raise ValueError(f"{reference_stats}: expected arrays 'mu' and 'sigma', found {sorted(ref.files)}")
+    f = features(images, extractor_dir, inception_weights)
+    pool = f["pool"].double().numpy()
+    mine = {"mu": pool.mean(0), "sigma": np.cov(pool, rowvar=False)}
+    theirs = {"mu": ref["mu"].astype(np.float64), "sigma": ref["sigma"].astype(np.float64)}
+    if theirs["mu"].shape != mine["mu"].shape:
+        raise ValueError(f"{reference_stats}: statistics of {theirs['mu'].shape[0]} features, the extractor gives "
+                         f"{mine['mu'].shape[0]}: use the extractor the statistics were computed with")
+    isc = isc_features_to_metric(f["logits"], splits=min(10, len(images)))
+    return {"fid": float(fid_statistics_to_metric(mine, theirs, False)["frechet_inception_distance"]),
+            "is_mean": isc["inception_score_mean"], "is_std": isc["inception_score_std"],
+            "num_images": float(len(images))}

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from specgen.backbones.loading import weights_id
+from specgen.backbones.loading import file_id, weights_id
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.evaluation.entropy import token_entropy
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
@@ -96,7 +96,7 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
-    prompts = [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
+    prompts = speed_prompts(cfg)
     speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
@@ -124,6 +124,15 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     print(format_table(metrics))
     print(summary_table(metrics, names, list(cfg.speed.batch_sizes)))
     return metrics
+
+
+def speed_prompts(cfg: DictConfig) -> list[str]:
+    """The speed section's prompts: `speed.prompts` (class ids for class-conditional models) repeated to
+    `speed.num_prompts`, or held-out prompts of the embedded world."""
+    given = cfg.speed.get("prompts")
+    if given:
+        return [str(given[i % len(given)]) for i in range(cfg.speed.num_prompts)]
+    return [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
 
 
 def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
@@ -247,9 +256,11 @@ def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
 
 
 def _weights_ids(node) -> list[str]:
-    """Weights identities of every exported model a decoding config loads (drafters): part of the cache key."""
+    """Weights identities of every model a decoding config loads (exported drafters, released checkpoints):
+    part of the cache key."""
     if isinstance(node, dict):
         here = [weights_id(node["dirpath"])] if "dirpath" in node else []
+        here += [file_id(node["weights_path"])] if node.get("weights_path") else []
         return here + [i for v in node.values() for i in _weights_ids(v)]
     return []
 
