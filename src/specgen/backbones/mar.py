@@ -103,7 +103,7 @@ class ShapesMAR(nn.Module):
     def device(self) -> torch.device:
         return self.fake_latent.device
 
-    def prompt_ids(self, prompts: list[str]) -> list[str]:
+    def prompts(self, prompts: list[str]) -> list[str]:
         """Continuous decoders take the prompts themselves (validated here, conditioned later)."""
         if self.cond == "prompt":
             self.condition(prompts)

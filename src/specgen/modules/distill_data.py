@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
+from specgen.backbones.protocol import Prompts, image_states
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_savez, missing_shards
@@ -37,18 +38,15 @@ SOURCES = ("samples", "dataset")
 DATASET_OFFSET = 10_000_000  # example indices of dataset-source shards: far past any backbone training shard
 
 
-def teacher_states(backbone, prompt_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-norm states and token ids of the image part, from begin-of-image to the last visual token.
+def teacher_states(backbone, prompts: Prompts, codes: torch.Tensor,
+                   guided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm states and image tokens of the image part, from the last prompt slot to the last visual token.
 
-    Returns (states (B, L, D), ids (B, L)) where states[:, i] sits at sequence position
-    prefix_len - 1 + i and ids[:, i] is the token it predicts (position prefix_len + i).
+    Returns (states (B', L, D), tokens (B', L)) where states[:, i] sits at slot prefix_len - 1 + i and tokens[:, i]
+    is the image token it predicts (slot prefix_len + i); with `guided`, B unconditional rows follow the B
+    conditional ones (the model's own unconditional prompt).
     """
-    g = backbone.grid
-    image = g.grid_to_sequence(codes)  # (B, H*stride [+1])
-    seq = torch.cat([prompt_ids, image], 1)
-    end = g.position(g.height - 1, g.width - 1)  # last visual token: its state is not needed
-    states = backbone.forward_hidden(seq[:, :end], torch.arange(end, device=seq.device))
-    return states[:, g.prefix_len - 1:], seq[:, g.prefix_len:end + 1]
+    return image_states(backbone, prompts.rows(guided), codes)
 
 
 class TeacherShards(Dataset):
@@ -82,8 +80,9 @@ class DistillDataModule(L.LightningDataModule):
     def _key(self, source: str = "samples") -> str:
         h = self.hparams
         spec = [weights_id(h.backbone_dir), h.shard_size, h.cfg_scale, h.temperature, h.top_k, h.seed]
-        if source != "samples":  # sampled shards keep the keys they always had
+        if source != "samples":
             spec = [weights_id(h.backbone_dir), h.shard_size, h.seed, source]
+        spec.append("image_tokens")  # ids are image tokens (codes, forced tokens after them), not vocabulary ids
         return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12]
 
     def shard_path(self, split: str, k: int) -> Path:
@@ -113,20 +112,19 @@ class DistillDataModule(L.LightningDataModule):
             if dataset:  # the world's images of new scenes, encoded by the backbone's tokenizer
                 items = [example(DATASET_OFFSET + k * h.shard_size + start + i, split, h.seed, backbone.tokenizer.image_size,
                                  0.0) for i in range(n)]
-                cond = backbone.prompt_ids([meta["prompt"] for meta, _, _ in items])
+                cond = backbone.prompts([meta["prompt"] for meta, _, _ in items])
                 images = torch.from_numpy(np.stack([img for _, img, _ in items])).permute(0, 3, 1, 2).to(device)
                 codes = backbone.tokenizer.encode(images)
             else:
                 prompts = [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
                            for i in range(n)]
-                cond = backbone.prompt_ids(prompts)
+                cond = backbone.prompts(prompts)
                 codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
                                        rngs=make_rngs([h.seed * 7_919 + base + i for i in range(n)], device),
-                                       cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
-            s_cond, tok = teacher_states(backbone, cond, codes)
-            s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
-            states.append(torch.stack([s_cond, s_null], 1).half().cpu().numpy())
-            ids.append(tok.int().cpu().numpy())
+                                       static_cache=True)  # same tokens, about 3x faster
+            both, tok = teacher_states(backbone, cond, codes, guided=True)  # (2n, L, D): conditional, unconditional
+            states.append(torch.stack([both[:n], both[n:]], 1).half().cpu().numpy())
+            ids.append(tok[:n].int().cpu().numpy())
         # atomic: an interrupted stage resumes at this shard
         atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
 

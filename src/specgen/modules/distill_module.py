@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
+from specgen.backbones.protocol import embed_image
 from specgen.decoding.sampling import guide
 from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.validate import expect_float, expect_int
@@ -80,8 +81,7 @@ class DistillModule(L.LightningModule):
                 for name in self.net.directions]
 
     def _visual(self, hidden: torch.Tensor) -> torch.Tensor:
-        g = self.backbone.grid
-        return self.backbone.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+        return self.backbone.visual_logits(hidden)
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """(N, L, ...) teacher-layout tensor -> (N, H - 1, W, ...): at [r, c] the index of the state that
@@ -115,8 +115,8 @@ class DistillModule(L.LightningModule):
 
     def losses(self, batch) -> dict[str, torch.Tensor]:
         states = batch["states"].transpose(0, 1).flatten(0, 1)  # (2B, L, D): B conditional rows, then B unconditional
-        ids = batch["ids"].repeat(2, 1)  # (2B, L): the token each state predicts
-        embeds = self.backbone.embed(ids)
+        ids = batch["ids"].repeat(2, 1)  # (2B, L): the image token each state predicts
+        embeds = embed_image(self.backbone, ids)
         tokens_out = getattr(self.net, "predicts", "hidden") == "tokens"
         out, total = {}, 0.0
         for name, off in self.tasks():
