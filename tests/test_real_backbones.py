@@ -166,3 +166,17 @@ def test_bad_folders_name_the_path(tmp_path):
         Emu3Backbone(str(tmp_path / "nothing"), device="cpu")
     with pytest.raises(ValueError, match="generator.weights_path is not set"):
         JanusBackbone("???", device="cpu")
+
+
+def test_geneval_metadata_honours_prompts_per_task(tmp_path):
+    import json
+
+    from specgen.evaluation.benchmarks import GenEval
+
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    rows = [{"tag": t, "include": [{"class": "dog", "count": 1}], "prompt": f"{t} {i}"}
+            for t in ("single_object", "counting") for i in range(5)]
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(GenEval(metadata_file=str(meta), prompts_per_task=None).metadata()) == 10
+    sub = GenEval(metadata_file=str(meta), prompts_per_task=2).metadata()
+    assert [m["prompt"] for m in sub] == ["single_object 0", "single_object 1", "counting 0", "counting 1"]

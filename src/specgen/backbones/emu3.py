@@ -28,7 +28,8 @@ SPECIALS = {"boi": "<|image start|>", "image": "<|image token|>", "eol": "<|extr
 
 class Emu3Backbone(HFDiscreteBackbone):
     def __init__(self, weights_path: str, tokens_per_side: int = 90, positive_prompt: str = POSITIVE_PROMPT,
-                 negative_prompt: str = NEGATIVE_PROMPT, device: str = "auto", dtype: str = "auto"):
+                 negative_prompt: str = NEGATIVE_PROMPT, device: str = "auto", dtype: str = "auto",
+                 cfg_scale: float = 3.0, top_k: int | None = 2048, temperature: float = 1.0):
         path = check_folder(weights_path, "Emu3-Gen")
         dev, dt = resolve_device_dtype(device, dtype)
         model = Emu3ForConditionalGeneration.from_pretrained(path, dtype=dt, attn_implementation="sdpa").to(dev)
@@ -45,6 +46,8 @@ class Emu3Backbone(HFDiscreteBackbone):
         text = model.model.text_model
         super().__init__(model, text, model.config.text_config, grid, folder_identity(path),
                          max_positions=model.config.text_config.max_position_embeddings)
+        # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
+        self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
         self.visual_ids = torch.tensor([mapping.img2bpe[k] for k in range(V)], device=dev)  # code -> vocabulary id
         self.__dict__["visual_head"] = self.head_rows(model.lm_head.weight, self.visual_ids)  # (V, D)
         self.positive_prompt, self.negative_prompt = positive_prompt, negative_prompt

@@ -24,7 +24,8 @@ BOI = "<begin_of_image>"
 
 
 class JanusBackbone(HFDiscreteBackbone):
-    def __init__(self, weights_path: str, device: str = "auto", dtype: str = "auto", template: str = TEMPLATE):
+    def __init__(self, weights_path: str, device: str = "auto", dtype: str = "auto", template: str = TEMPLATE,
+                 cfg_scale: float = 5.0, top_k: int | None = None, temperature: float = 1.0):
         path = check_folder(weights_path, "Janus-Pro")
         dev, dt = resolve_device_dtype(device, dtype)
         model = JanusForConditionalGeneration.from_pretrained(path, dtype=dt, attn_implementation="sdpa").to(dev)
@@ -39,6 +40,8 @@ class JanusBackbone(HFDiscreteBackbone):
         text = model.model.language_model
         super().__init__(model, text, model.config.text_config, grid, folder_identity(path),
                          max_positions=model.config.text_config.max_position_embeddings)
+        # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
+        self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
         self.boi, self.template = boi, template
 
     def prompts(self, texts: list[str]) -> Prompts:

@@ -32,7 +32,8 @@ def size_token(n_patches: int) -> str:
 
 class LuminaBackbone(HFDiscreteBackbone):
     def __init__(self, weights_path: str, resolution: int = 768, vqgan_path: str | None = None,
-                 device: str = "auto", dtype: str = "auto", template: str = TEMPLATE):
+                 device: str = "auto", dtype: str = "auto", template: str = TEMPLATE,
+                 cfg_scale: float = 4.0, top_k: int | None = 2000, temperature: float = 1.0):
         path = check_folder(weights_path, "Lumina-mGPT (Chameleon format)")
         if resolution % PATCH:
             raise ValueError(f"generator.resolution={resolution}: Lumina-mGPT sizes images in {PATCH}-pixel patches")
@@ -53,6 +54,8 @@ class LuminaBackbone(HFDiscreteBackbone):
                          eol_id=vocab[NEWLINE], eoi_id=vocab[EOI])
         super().__init__(model, model.model, model.config, grid, folder_identity(path),
                          max_positions=model.config.max_position_embeddings)
+        # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
+        self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
         self.visual_ids = torch.tensor([mapping.img2bpe[k] for k in range(V)], device=dev)  # code -> vocabulary id
         self.__dict__["visual_head"] = self.head_rows(model.lm_head.weight, self.visual_ids)
         self.header = (vocab[BOI], vocab[size_token(n)], vocab[size_token(n)])

@@ -1,6 +1,7 @@
 """Benchmarks as objects: which (prompt, seed) jobs they need, and how they score the images."""
 from __future__ import annotations
 
+import logging
 import random
 
 from specgen.evaluation import dpg_bench
@@ -11,6 +12,8 @@ from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evalu
 from specgen.world import render, scene_for
 from specgen.world.prompts import DEFAULT_MIX, prompts, sample_prompt
 
+
+log = logging.getLogger(__name__)
 
 class GenEval:
     """GenEval on the shapes world (held-out prompts, exact parser) or on an official metadata file."""
@@ -31,6 +34,15 @@ class GenEval:
     def metadata(self) -> list[dict]:
         if self.metadata_file is not None:
             items = read_metadata(self.metadata_file)
+            if self.prompts_per_task is not None:  # a quick run: the first prompts of each task, in file order
+                kept, seen = [], {}
+                for m in items:
+                    seen[m["tag"]] = seen.get(m["tag"], 0) + 1
+                    if seen[m["tag"]] <= self.prompts_per_task:
+                        kept.append(m)
+                items = kept
+                log.info("GenEval: the first %d prompts of each task of %s (%d prompts; prompts_per_task=null for "
+                         "all)", self.prompts_per_task, self.metadata_file, len(items))
         else:
             items = [m for t in TASKS for m in prompts(t, self.split)[: self.prompts_per_task]]
         return items
