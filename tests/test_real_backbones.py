@@ -1,6 +1,8 @@
 """The Emu3, Lumina-mGPT (Chameleon) and Janus-Pro adapters on tiny random models of their transformers classes,
 saved with `save_pretrained` and loaded back from the folder: the protocol's contracts (cached = full forward, block
 verification with rollback, pre-norm states, forced tokens, padding) and every lossless decoder equal to greedy AR."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -180,3 +182,34 @@ def test_geneval_metadata_honours_prompts_per_task(tmp_path):
     assert len(GenEval(metadata_file=str(meta), prompts_per_task=None).metadata()) == 10
     sub = GenEval(metadata_file=str(meta), prompts_per_task=2).metadata()
     assert [m["prompt"] for m in sub] == ["single_object 0", "single_object 1", "counting 0", "counting 1"]
+
+
+def test_real_discrete_decodes_every_strategy_into_a_geneval_folder(tmp_path):
+    """The eval command of a real backbone on a tiny Emu3 folder: AR, SSD, SJD and ZipAR on an official-format prompt
+    file, images in GenEval's layout, the flat speed keys, scoring skipped without a detector."""
+    import json
+
+    from helpers import compose_cfg
+    from specgen.eval import evaluate as run_eval
+    from specgen.utils.checkpoints import export
+
+    path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
+    identity = load("emu3", path).identity
+    fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs", "backbone_id": identity}
+    export(tmp_path / "fphi", FPhi(64, "xs", backbone_id=identity), fphi_cfg)
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    meta.write_text("".join(json.dumps({"tag": t, "include": [{"class": "dog", "count": 1}], "prompt": p}) + "\n"
+                            for t, p in [("single_object", "a photo of a dog"), ("counting", "two red circles")]))
+    cfg = compose_cfg("eval", ["experiment=real_discrete", "generator=emu3", f"generator.weights_path={path}",
+                               "generator.tokens_per_side=4", "generator.device=cpu", f"drafter_dir={tmp_path / 'fphi'}",
+                               f"benchmark.prompts_path={meta}", "benchmark.geneval.samples_per_prompt=1",
+                               "speed.num_prompts=2", "logger=csv"], tmp_path)
+    metrics = run_eval(cfg)
+    out = Path(cfg.paths.output_dir)
+    for name in ("ar", "ssd", "sjd", "zipar"):
+        for key in ("nfe", "nfe_ratio", "latency_s", "wall_ratio"):
+            assert f"{name}/speed/{key}" in metrics, (name, key)
+    assert metrics["ar/speed/nfe"] == 16 and metrics["ar/speed/nfe_ratio"] == 1.0
+    folder = out / "geneval_samples" / "00001"
+    assert json.loads((folder / "metadata.jsonl").read_text())["prompt"] == "two red circles"
+    assert (folder / "samples" / "0000.png").is_file() and not any("geneval/overall" in k for k in metrics)

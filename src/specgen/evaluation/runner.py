@@ -95,7 +95,10 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
-    prompts = [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
+    if cfg.speed.get("prompt_source", "world") == "benchmark" and benchmarks:  # a real backbone's prompt file
+        prompts = list(dict.fromkeys(j.prompt for j in benchmarks[0].jobs(cfg.seed)))[: cfg.speed.num_prompts]
+    else:
+        prompts = [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
     speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
@@ -188,7 +191,7 @@ def _benchmarks(cfg: DictConfig) -> list:
     that `benchmark=none` (or another choice) removed: they are skipped with a note, not an error."""
     out = []
     for name, node in (cfg.get("benchmark") or {}).items():
-        if node is None:
+        if node is None or not isinstance(node, DictConfig):  # None, or a shared setting (benchmark.prompts_path)
             continue
         if "_target_" not in node:
             log.info("benchmark %r has settings but no benchmark chosen (benchmark=none?): skipped", name)
