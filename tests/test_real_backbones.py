@@ -213,3 +213,45 @@ def test_real_discrete_decodes_every_strategy_into_a_geneval_folder(tmp_path):
     folder = out / "geneval_samples" / "00001"
     assert json.loads((folder / "metadata.jsonl").read_text())["prompt"] == "two red circles"
     assert (folder / "samples" / "0000.png").is_file() and not any("geneval/overall" in k for k in metrics)
+
+
+def test_fphi_real_distils_from_a_prompt_file_and_its_export_refuses_another_backbone(tmp_path):
+    """The train command of a real backbone on a tiny Janus folder: teacher shards sampled from a prompt file, a few
+    steps of the distillation module, an export that records the weights and that SSD refuses on other weights."""
+    from helpers import compose_cfg
+    from specgen.train import train
+    from specgen.utils.checkpoints import load_exported
+
+    path = build_tiny("janus_pro", tmp_path / "janus", side=4, sharpen=3.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares\na green cross\n")
+    cfg = compose_cfg("train", ["experiment=fphi_real", "generator=janus_pro", f"generator.weights_path={path}",
+                                "generator.device=cpu", f"data.prompts_path={prompts}", "trainer.max_steps=3",
+                                "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "drafter.hidden_size=64",
+                                "data.train_shards=1", "data.shard_size=4", "data.sample_batch=4", "data.batch_size=2",
+                                "num_threads=1", "logger=csv"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["train/loss"] > 0
+    export = Path(cfg.paths.output_dir) / "export"
+    d = load_exported(export)
+    m = load("janus_pro", path)
+    assert d.backbone_id == m.identity
+    ref, _ = ar.generate(m, m.prompts(PROMPTS), cfg_scale=CFG, temperature=0)
+    assert torch.equal(ssd.generate(m, m.prompts(PROMPTS), d, cfg_scale=CFG, temperature=0, rounds=4)[0], ref)
+    other = load("janus_pro", build_tiny("janus_pro", tmp_path / "other", side=4, seed=1))
+    with pytest.raises(ValueError, match="distilled from backbone weights"):
+        ssd.generate(other, other.prompts(PROMPTS), d, temperature=0)
+
+
+def test_the_gpu_timing_script_runs_at_tiny_sizes_on_cpu(tmp_path):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "real_backbones" / "time_steps.py"
+    spec = importlib.util.spec_from_file_location("time_steps", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results = mod.main(["--tiny", "--out", str(tmp_path), "--repeats", "2", "--pass-ratio", "4"])
+    assert set(results) == {"emu3", "lumina_mgpt", "janus_pro"}
+    assert all(r["t_1"] > 0 and set(r["t_row"]) == {"4", "8"} for r in results.values())
+    md = (tmp_path / "speedup.md").read_text()
+    assert md.count("| emu3 |") == 2 and "speed-up at r=4" in md

@@ -48,8 +48,7 @@ class Emu3Backbone(HFDiscreteBackbone):
                          max_positions=model.config.text_config.max_position_embeddings)
         # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
         self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
-        self.visual_ids = torch.tensor([mapping.img2bpe[k] for k in range(V)], device=dev)  # code -> vocabulary id
-        self.__dict__["visual_head"] = self.head_rows(model.lm_head.weight, self.visual_ids)  # (V, D)
+        self.set_visual_ids(torch.tensor([mapping.img2bpe[k] for k in range(V)]), model.lm_head.weight)
         self.positive_prompt, self.negative_prompt = positive_prompt, negative_prompt
         self.tail = (self.specials["eof"], self.specials["eoi"], model.config.text_config.eos_token_id)
 
@@ -66,13 +65,6 @@ class Emu3Backbone(HFDiscreteBackbone):
         pad = self.tokenizer.pad_token_id
         pad = self.model.config.text_config.pad_token_id if pad is None else pad
         return Prompts(tuple(texts), cond, uncond, pad, self.device)
-
-    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(self.visual_ids[codes])
-
-    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the output rows of the visual codes only (32768 of 184622)."""
-        return torch.nn.functional.linear(self.final_norm(hidden), self.visual_head)
 
     def image_sequence(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes (B, H, W) -> the image part as Emu3 writes it (B, H*(W+1) + 3): rows with end-of-line, then

@@ -136,9 +136,23 @@ class HFDiscreteBackbone(nn.Module):
         if extra > 0:  # crop(0) empties the cache in some transformers versions: never call it
             cache.kv.crop(-extra)
 
-    def head_rows(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The rows of an output projection that score visual codes 0..V-1, as a view when they are contiguous."""
-        ids = ids.to(weight.device)
-        if bool((ids[1:] - ids[:-1] == 1).all()):
-            return weight[int(ids[0]): int(ids[0]) + len(ids)]
-        return weight[ids]
+    def set_visual_ids(self, ids: torch.Tensor, head_weight: torch.Tensor) -> None:
+        """Record the vocabulary ids of visual codes 0..V-1 (a buffer: it follows the module's device) and the output
+        projection whose rows at those ids score them (a slice when the ids are contiguous: no copy)."""
+        self.register_buffer("visual_ids", ids.to(head_weight.device), persistent=False)
+        contiguous = bool((ids[1:] - ids[:-1] == 1).all())
+        self.__dict__["_head_span"] = (int(ids[0]), len(ids)) if contiguous else None
+        self.__dict__["_head_weight"] = head_weight
+
+    @property
+    def visual_head(self) -> torch.Tensor:
+        """(V, D) rows of the output projection that score the visual codes."""
+        w = self._head_weight
+        return w[self._head_span[0]: self._head_span[0] + self._head_span[1]] if self._head_span else w[self.visual_ids]
+
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the output rows of the visual codes only (not the whole vocabulary)."""
+        return torch.nn.functional.linear(self.final_norm(hidden.to(self.dtype)), self.visual_head)
+
+    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(self.visual_ids[codes])

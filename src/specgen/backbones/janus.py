@@ -57,7 +57,7 @@ class JanusBackbone(HFDiscreteBackbone):
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, then the separate generation head."""
-        return self.model.model.generation_head(self.final_norm(hidden))
+        return self.model.model.generation_head(self.final_norm(hidden.to(self.dtype)))
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

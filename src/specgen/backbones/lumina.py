@@ -56,8 +56,7 @@ class LuminaBackbone(HFDiscreteBackbone):
                          max_positions=model.config.max_position_embeddings)
         # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
         self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
-        self.visual_ids = torch.tensor([mapping.img2bpe[k] for k in range(V)], device=dev)  # code -> vocabulary id
-        self.__dict__["visual_head"] = self.head_rows(model.lm_head.weight, self.visual_ids)
+        self.set_visual_ids(torch.tensor([mapping.img2bpe[k] for k in range(V)]), model.lm_head.weight)
         self.header = (vocab[BOI], vocab[size_token(n)], vocab[size_token(n)])
         self.resolution, self.template, self.vqgan_path = resolution, template, vqgan_path
         self.__dict__["vqgan"] = None  # loaded on the first decode (a user path, kept out of this module's weights)
@@ -68,13 +67,6 @@ class LuminaBackbone(HFDiscreteBackbone):
                       *self.header) for t in texts)
         pad = tok.pad_token_id if tok.pad_token_id is not None else self.model.config.pad_token_id
         return Prompts(tuple(texts), cond, (self.header,) * len(texts), pad if pad is not None else 1, self.device)
-
-    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.decoder.embed_tokens(self.visual_ids[codes])
-
-    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm, then the output rows of the image codes (not the model's forward, which masks them)."""
-        return torch.nn.functional.linear(self.final_norm(hidden), self.visual_head)
 
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

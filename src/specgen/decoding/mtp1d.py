@@ -11,7 +11,7 @@ import torch
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import sample_probs
 from specgen.decoding.spec1d import speculate
-from specgen.decoding.state import SpecState, check_drafter
+from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float
 
 
@@ -52,6 +52,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     check_drafter(backbone, drafter, ("ahead_1",))  # heads, not a right/down (SSD) drafter
+    drafter = fit_drafter(backbone, drafter)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     stats = speculate(st, _head_drafter(drafter), window=drafter.num_heads + 1)
     return st.codes(), stats

@@ -30,7 +30,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, sample_probs
-from specgen.decoding.state import SpecState, check_drafter
+from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -120,6 +120,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
+    drafter = fit_drafter(backbone, drafter)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g, B, dev = st.g, st.B, st.seq.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image

@@ -44,6 +44,15 @@ def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = 
                      f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
 
 
+def fit_drafter(backbone: DiscreteBackbone, drafter):
+    """The drafter on the backbone's device and in its dtype (a drafter loads on CPU in fp32; a real backbone runs
+    in bf16 on a GPU). A no-op where they already agree."""
+    param = next(iter(drafter.parameters()), None) if hasattr(drafter, "parameters") else None
+    if param is not None and (param.device != backbone.device or param.dtype != backbone.dtype):
+        drafter.to(device=backbone.device, dtype=backbone.dtype)
+    return drafter
+
+
 class StateWindow:
     """The target's latest pre-norm states over a sliding range of slots, not the whole sequence: decoders read
     the states their drafters and verifiers need (the row above, the current window) and `release` the rest.

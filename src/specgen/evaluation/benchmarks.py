@@ -89,6 +89,9 @@ def real_geneval(metadata_file: str, detector_path: str | None = None, color_che
                  color_model: str = "ViT-L-14-quickgelu", min_score: float = 0.05) -> GenEval:
     """GenEval on an official metadata file for real images: scored by a local detector and colour model when both
     paths are given, else written in the official layout only (the official evaluator can score that folder)."""
+    if not metadata_file:
+        raise ValueError("benchmark.prompts_path is not set: give GenEval's evaluation_metadata.jsonl (a copy: "
+                         "shared/benchmarks/geneval/evaluation_metadata.jsonl)")
     detector = None
     if detector_path or color_checkpoint:
         if not (detector_path and color_checkpoint):
