@@ -4,7 +4,7 @@
 adapters look up) let the adapters, the decoders and the two real-backbone commands run on CPU without weights;
 `text_config(kind, "7b")` gives the released 7B/8B decoders' shapes for timing on a GPU (no weights needed).
 
-    python -m specgen.backbones.random_models emu3 /tmp/emu3_tiny   # also lumina_mgpt, janus_pro
+    python -m specgen.backbones.random_models emu3 runs/emu3_tiny   # also lumina_mgpt, janus_pro
 """
 from __future__ import annotations
 
