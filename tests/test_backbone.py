@@ -17,7 +17,7 @@ def tiny(eol: bool, seed: int = 0) -> ShapesLlama:
 @pytest.mark.parametrize("eol", [True, False])
 def test_cached_greedy_equals_uncached_greedy(eol):
     m = tiny(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     for scale in (1.0, 3.0):
         a, sa = ar.generate(m, p, cfg_scale=scale, temperature=0)
         b, sb = ar.generate(m, p, cfg_scale=scale, temperature=0, use_cache=False)
@@ -29,7 +29,7 @@ def test_cached_greedy_equals_uncached_greedy(eol):
 @pytest.mark.parametrize("eol", [True, False])
 def test_cached_sampling_equals_uncached_sampling(eol):
     m = tiny(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     a, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, rngs=make_rngs([1, 2]))
     b, _ = ar.generate(m, p, cfg_scale=2.0, temperature=1.0, top_k=8, rngs=make_rngs([1, 2]),
                        use_cache=False)
@@ -38,7 +38,7 @@ def test_cached_sampling_equals_uncached_sampling(eol):
 
 def test_cfg_scale_one_equals_conditional_sampling():
     m = tiny(True)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     a, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, rngs=make_rngs([5, 6]), cfg_rows=True)
     b, _ = ar.generate(m, p, cfg_scale=1.0, temperature=1.0, rngs=make_rngs([5, 6]), cfg_rows=False)
     assert torch.equal(a, b)
@@ -48,8 +48,8 @@ def test_cfg_scale_one_equals_conditional_sampling():
 
 def test_images_do_not_depend_on_batch_composition():
     m = tiny(True)
-    both, _ = ar.generate(m, m.prompt_ids(PROMPTS), cfg_scale=2.0, rngs=make_rngs([11, 12]))
-    alone, _ = ar.generate(m, m.prompt_ids(PROMPTS[1:]), cfg_scale=2.0, rngs=make_rngs([12]))
+    both, _ = ar.generate(m, m.prompts(PROMPTS), cfg_scale=2.0, rngs=make_rngs([11, 12]))
+    alone, _ = ar.generate(m, m.prompts(PROMPTS[1:]), cfg_scale=2.0, rngs=make_rngs([12]))
     assert torch.equal(both[1], alone[0])
 
 
@@ -104,4 +104,4 @@ def test_protocol_and_bad_inputs():
     with pytest.raises(RuntimeError, match="attach_tokenizer"):
         m.decode(torch.zeros(1, 5, 5, dtype=torch.long))
     with pytest.raises(TypeError, match="temperature must be a number, got 'hot'"):
-        ar.generate(m, m.prompt_ids(PROMPTS[:1]), temperature="hot")
+        ar.generate(m, m.prompts(PROMPTS[:1]), temperature="hot")

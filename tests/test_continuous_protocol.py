@@ -40,7 +40,7 @@ class FakeContinuous:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def prompt_ids(self, prompts):
+    def prompts(self, prompts):
         return list(prompts)
 
     def conditioning(self, prompts, guided):
@@ -87,7 +87,7 @@ def test_the_fake_is_a_continuous_backbone_and_nothing_more():
     m = FakeContinuous()
     assert isinstance(m, ContinuousBackbone)
     public = {n for n in dir(m) if not n.startswith("_")}
-    assert public == {"seq_len", "token_dim", "num_steps", "device", "prompt_ids", "conditioning", "plan",
+    assert public == {"seq_len", "token_dim", "num_steps", "device", "prompts", "conditioning", "plan",
                       "step_conditions", "transition", "final_std", "check_draft", "decode"}
     a, st = mar.generate(m, PROMPTS, make_rngs([1, 2, 3]), num_iter=4)
     b, _ = mar.generate(m, PROMPTS[2:], make_rngs([3]), num_iter=4)

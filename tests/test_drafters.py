@@ -74,7 +74,7 @@ def test_distillation_offsets_follow_the_row_layout(tmp_path, eol):
 
 def test_drafter_kind_mismatches_suggest_the_right_command():
     m = tiny_llama(eol=True)
-    p = m.prompt_ids(["a red circle"])
+    p = m.prompts(["a red circle"])
     heads = MTPHeads(m.hidden_size, num_heads=2)
     with pytest.raises(ValueError, match=r"is an MTP checkpoint.*not an SSD drafter.*decoding=mtp1d") as err:
         ssd.generate(m, p, heads, temperature=0)
@@ -100,4 +100,4 @@ def test_the_shipped_mtp_heads_given_to_ssd_are_named_as_such():
     ck = REPO_ROOT / "checkpoints"
     backbone = load_shapes_generator(str(ck / "ar_shapes"), str(ck / "vq_shapes"))
     with pytest.raises(ValueError, match=r"is an MTP checkpoint \(1D multi-token heads\), predicting \['ahead_1'"):
-        ssd.generate(backbone, backbone.prompt_ids(["a red circle"]), load_exported(ck / "mtp_shapes"))
+        ssd.generate(backbone, backbone.prompts(["a red circle"]), load_exported(ck / "mtp_shapes"))

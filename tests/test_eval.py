@@ -245,7 +245,7 @@ def test_speed_averages_per_image_statistics_over_images():
     class Fake:
         device = torch.device("cpu")
 
-        def prompt_ids(self, prompts):
+        def prompts(self, prompts):
             return torch.arange(len(prompts))
 
     def decode(backbone, ids, rngs=None):  # image i of every batch: 10 x its id + 1 passes

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from helpers import tiny_llama
 from specgen.analysis import drafter_report
+from specgen.backbones.protocol import embed_image
 from specgen.decoding import ar, ssd
 from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
@@ -132,7 +133,7 @@ def test_ssd_with_a_row_context_drafter_equals_greedy_ar(eol):
     drafter = FPhi(m.hidden_size, "xs", context_kernel=3)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.05)  # an imperfect drafter: many rejections
-    prompts = m.prompt_ids(["a red circle", "two blue squares"])
+    prompts = m.prompts(["a red circle", "two blue squares"])
     ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
     for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
         out, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, temperature=0, **kw)
@@ -179,7 +180,7 @@ def test_left_context_drafter_starts_as_the_one_without_and_drafts_rows_left_to_
         d = FPhi(m.hidden_size, "xs", context_kernel=3, left_context=True)
         for p in d.parameters():
             torch.nn.init.normal_(p, std=0.05)
-        prompts = m.prompt_ids(["a red circle", "two blue squares"])
+        prompts = m.prompts(["a red circle", "two blue squares"])
         ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
         for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
             assert torch.equal(ssd.generate(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
@@ -196,7 +197,7 @@ def test_left_context_is_trained_on_the_token_before_each_drafted_one(tiny_expor
     batch = next(iter(teacher.train_dataloader()))
     g = m.backbone.grid
     s = batch["states"].transpose(0, 1).flatten(0, 1)
-    e = m.backbone.embed(batch["ids"].repeat(2, 1))
+    e = embed_image(m.backbone, batch["ids"].repeat(2, 1))
     idx = torch.tensor([r * g.stride + c for r in range(g.height - 1) for c in range(g.width)])
     pred = m.net.down(s[:, idx].view(len(s), g.height - 1, g.width, -1), e[:, idx].view(len(s), g.height - 1, g.width, -1),
                       e[:, idx + g.stride - 1].view(len(s), g.height - 1, g.width, -1))
@@ -221,7 +222,7 @@ def test_dataset_source_teacher_forces_world_images_and_keeps_sampled_validation
     bb = load_shapes_generator(str(tiny_exports / "ar"), str(tiny_exports / "vq"))
     items = [example(DATASET_OFFSET + i, "train", 0, 64, 0.0) for i in range(4)]
     images = torch.stack([torch.from_numpy(img) for _, img, _ in items]).permute(0, 3, 1, 2)
-    cond = bb.prompt_ids([meta["prompt"] for meta, _, _ in items])
+    cond = bb.prompts([meta["prompt"] for meta, _, _ in items])
     states, ids = teacher_states(bb, cond, bb.tokenizer.encode(images))
     shard = __import__("numpy").load(dm.shard_path("train", 0))
     assert torch.equal(torch.from_numpy(shard["ids"]).long(), ids)

@@ -65,7 +65,7 @@ def test_harmon_conditions_follow_the_text_and_padded_rows_equal_rows_alone(tmp_
 def test_harmon_runs_cspd_and_decodes(tmp_path):
     m = _load(tiny_folder(tmp_path / "t"))
     d = _load(tiny_folder(tmp_path / "d", hidden=16, seed=1))
-    prompts = m.prompt_ids(["a red circle", "two blue squares"])
+    prompts = m.prompts(["a red circle", "two blue squares"])
     for ratio in ("paper", "exact", "aligned"):
         _, st = cspd.generate(m, prompts, make_rngs([0, 1]), m, num_iter=4, gamma=1, prefill_ratio=0.0, ratio=ratio,
                               verify="stepwise", inner_temperature=1.0 if ratio == "paper" else None)

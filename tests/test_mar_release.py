@@ -191,10 +191,10 @@ def test_release_pair_runs_cspd_and_decodes(tmp_path):
     t = load_mar_release(str(tmp_path / "t.pth"), vae_path=str(tmp_path / "kl16.ckpt"), vae=vae, **TINY)
     assert t.identity.count("-") == 1
     d = load_mar_release(str(tmp_path / "d.pth"), **{**TINY, "sizes": (16, 1, 1, 4, 8, 1)})
-    ids = t.prompt_ids(["1", "9"])
+    ids = t.prompts(["1", "9"])
     assert ids == [1, 9]
     with pytest.raises(ValueError, match="prompt 'a cat' is not a class id"):
-        t.prompt_ids(["a cat"])
+        t.prompts(["a cat"])
     for ratio in ("paper", "exact", "aligned"):  # one step per round: the target's conditions are the draft's, bit
         # for bit (MAR's unclipped x0 multiplies float noise by ~170 at the first step of a release schedule)
         _, st = cspd.generate(t, ids, make_rngs([0, 1]), t, num_iter=4, gamma=1, prefill_ratio=0.0, ratio=ratio,

@@ -1,90 +1,99 @@
 """Every discrete decoder on a backbone that has nothing but `backbones.protocol.DiscreteBackbone`: a one-layer
 attention model written here in plain torch (no transformers, no nn.Module), so a decoder that reaches past the
-protocol fails. Lossless decoders must equal greedy AR token for token; the lossy ones must fill a valid grid."""
+protocol fails. Like the real models, its prompts vary in length (left-padded per batch, with its own shorter
+unconditional prompt) and its visual codes have their own embedding and head (no shared vocabulary). Lossless
+decoders must equal greedy AR token for token; the lossy ones must fill a valid grid."""
 import hashlib
 
 import pytest
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, TokenGrid
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, TokenGrid
 from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
 from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
 
 PROMPTS = ["a red circle", "two blue squares", "a cross left of a diamond"]
+PAD, BOI, EOL, WORDS = 0, 1, 2, 40
 
 
 class FakeCache:
-    """Keys, values and positions of every fed token, in feeding order."""
+    """Keys, values, slots, position ids and key validity of every fed token, in feeding order."""
 
-    def __init__(self):
-        self.k = self.v = self.pos = None
+    def __init__(self, rows):
+        self.rows = rows
+        self.k = self.v = self.slot = self.valid = None
 
 
 class FakeBackbone:
     """One attention layer + MLP over absolute position embeddings; only the protocol's members are public."""
 
-    def __init__(self, eol: bool, seed: int = 0, grid: int = 4, codes: int = 12, prompt_len: int = 4, width: int = 32):
+    def __init__(self, eol: bool, seed: int = 0, height: int = 4, width: int = 4, codes: int = 12, hidden: int = 32):
         g = torch.Generator().manual_seed(seed)
-        self.grid = TokenGrid(height=grid, width=grid, prefix_len=prompt_len + 1, visual_start=3, num_visual=codes,
-                              eol_id=1 if eol else None, eoi_id=2)
-        self.hidden_size = width
-        vocab, T = 3 + codes + 40, self.grid.seq_len  # pad/BOI, end-of-row, end-of-image, codes, 40 prompt words
-        self._words = 40
+        self.grid = TokenGrid(height=height, width=width, prefix_len=0, visual_start=0, num_visual=codes,
+                              eol_id=EOL if eol else None)
+        self.hidden_size, self.identity = hidden, f"fake{seed}"
+        positions = 16 + height * (width + 1)
 
         def w(*shape, scale=1.0):
             return torch.randn(*shape, generator=g) * scale
 
-        self._p = {"tok": w(vocab, width), "pos": w(T, width), "q": w(width, width, scale=width ** -0.5),
-                   "k": w(width, width, scale=width ** -0.5), "v": w(width, width, scale=width ** -0.5),
-                   "mlp1": w(width, 2 * width, scale=width ** -0.5), "mlp2": w(2 * width, width, scale=0.1),
-                   "out": w(width, vocab, scale=20 * width ** -0.5)}  # sharp head: greedy codes vary by position
+        d = hidden
+        self._p = {"tok": w(3 + WORDS, d), "vis": w(codes, d), "pos": w(positions, d), "q": w(d, d, scale=d ** -0.5),
+                   "k": w(d, d, scale=d ** -0.5), "v": w(d, d, scale=d ** -0.5), "mlp1": w(d, 2 * d, scale=d ** -0.5),
+                   "mlp2": w(2 * d, d, scale=0.1), "out": w(d, codes, scale=20 * d ** -0.5)}  # sharp head
 
-    def prompt_ids(self, prompts: list[str]) -> torch.Tensor:
-        g = self.grid
-        out = torch.zeros(len(prompts), g.prefix_len, dtype=torch.long)  # 0: padding
-        for b, text in enumerate(prompts):
-            ids = [3 + g.num_visual + int(hashlib.sha1(t.encode()).hexdigest(), 16) % self._words
-                   for t in text.split()][-(g.prefix_len - 1):]
-            out[b, g.prefix_len - 1 - len(ids): g.prefix_len - 1] = torch.tensor(ids)
-        out[:, -1] = 0  # begin-of-image shares the padding id here
-        return out
+    @property
+    def device(self):
+        return torch.device("cpu")
 
-    def null_prompt_ids(self, batch: int) -> torch.Tensor:
-        return torch.zeros(batch, self.grid.prefix_len, dtype=torch.long)
+    @property
+    def dtype(self):
+        return torch.float32
 
-    def new_cache(self):
-        return FakeCache()
+    def prompts(self, texts: list[str]) -> Prompts:
+        words = [[3 + int(hashlib.sha1(t.encode()).hexdigest(), 16) % WORDS for t in text.split()][-12:]
+                 for text in texts]
+        return Prompts(tuple(texts), tuple(tuple(ids) + (BOI,) for ids in words), ((BOI,),) * len(texts), PAD)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def new_cache(self, rows, static: bool = False):
+        return FakeCache(rows)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self._p["tok"][ids]
 
-    def forward_hidden(self, ids, positions, cache=None, attn_mask=None):
-        p = self._p
-        pos = positions.unsqueeze(0).expand(ids.shape[0], -1) if positions.ndim == 1 else positions  # (B, q)
-        x = self.embed(ids) + p["pos"][pos]  # (B, q, D)
+    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
+        return self._p["vis"][codes]
+
+    def forward_embeds(self, embeds, slots, cache, attn_mask=None):
+        p, rows = self._p, cache.rows
+        slots = slots.expand(embeds.shape[0], -1) if slots.ndim == 1 else slots  # (B, q)
+        valid = torch.where(slots < rows.length, rows.mask.gather(1, slots.clamp_max(rows.length - 1)), True)
+        x = embeds + p["pos"][rows.positions(slots)]  # (B, q, D)
         k, v = x @ p["k"], x @ p["v"]
-        if cache is not None and cache.k is not None:
-            k, v, kpos = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1), torch.cat([cache.pos, pos], 1)
+        if cache.k is not None:
+            k, v = torch.cat([cache.k, k], 1), torch.cat([cache.v, v], 1)
+            kslot, kvalid = torch.cat([cache.slot, slots], 1), torch.cat([cache.valid, valid], 1)
         else:
-            kpos = pos
-        if cache is not None:
-            cache.k, cache.v, cache.pos = k, v, kpos
+            kslot, kvalid = slots, valid
+        cache.k, cache.v, cache.slot, cache.valid = k, v, kslot, kvalid
         scores = (x @ p["q"]) @ k.transpose(1, 2) / self.hidden_size ** 0.5  # (B, q, S)
-        if attn_mask is None:  # causal by position: a token sees every fed token at a position <= its own
-            scores = scores.masked_fill(kpos[:, None, :] > pos[:, :, None], float("-inf"))
+        if attn_mask is None:  # causal by slot: a token sees every fed token at a slot <= its own
+            scores = scores.masked_fill(kslot[:, None, :] > slots[:, :, None], float("-inf"))
         else:
             scores = scores + attn_mask[:, 0]
+        scores = scores.masked_fill(~kvalid[:, None, :], float("-inf"))  # padding is never seen
         h = x + torch.softmax(scores, -1) @ v
         return h + torch.relu(h @ p["mlp1"]) @ p["mlp2"]  # pre-norm state (B, q, D)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(hidden, (self.hidden_size,)) @ self._p["out"]
 
     def rollback(self, cache: FakeCache, length: int) -> None:
         if cache.k is not None:
-            cache.k, cache.v, cache.pos = cache.k[:, :length], cache.v[:, :length], cache.pos[:, :length]
+            cache.k, cache.v = cache.k[:, :length], cache.v[:, :length]
+            cache.slot, cache.valid = cache.slot[:, :length], cache.valid[:, :length]
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         img = (codes.float() / (self.grid.num_visual - 1))[:, None].expand(-1, 3, -1, -1)  # (B, 3, H, W)
@@ -101,7 +110,7 @@ def noisy(make, seed: int):
 
 
 def lossless(m: FakeBackbone) -> dict:
-    """Decoders that must reproduce greedy AR exactly, as (prompt_ids, **sampling) -> (codes, stats)."""
+    """Decoders that must reproduce greedy AR exactly, as (prompts, **sampling) -> (codes, stats)."""
     def fphi():
         return noisy(lambda: FPhi(m.hidden_size, "xs"), 1)
 
@@ -109,6 +118,7 @@ def lossless(m: FakeBackbone) -> dict:
         "ssd_exact": lambda p, **kw: ssd.generate(m, p, fphi(), exact=True, **kw),
         "ssd_rounds": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=m.grid.width, **kw),  # a round per column
         "ssd_carry": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=0, carry=True, **kw),
+        "ssd_carry_window": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=1, carry=True, max_window_rows=2, **kw),
         "sjd": lambda p, **kw: sjd.generate(m, p, window=5, **kw),
         "sjd_vertical": lambda p, **kw: sjd.generate(m, p, window=5, init="vertical", **kw),
         "zipar_w": lambda p, **kw: zipar.generate(m, p, window=m.grid.width, **kw),
@@ -122,21 +132,33 @@ def test_the_fake_is_a_discrete_backbone_and_nothing_more():
     m = FakeBackbone(eol=True)
     assert isinstance(m, DiscreteBackbone)
     public = {n for n in dir(m) if not n.startswith("_")}
-    assert public == {"grid", "hidden_size", "prompt_ids", "null_prompt_ids", "new_cache", "forward_hidden", "head",
-                      "embed", "rollback", "decode"}
-    p = m.prompt_ids(PROMPTS)
+    assert public == {"grid", "hidden_size", "identity", "device", "dtype", "prompts", "new_cache", "embed_tokens",
+                      "embed_visual", "forward_embeds", "visual_logits", "rollback", "decode"}
+    p = m.prompts(PROMPTS)
+    rows = p.rows(True)
+    assert rows.ids.shape == (6, 7) and rows.padded  # prompts of 4, 4 and 7 tokens; unconditional ones of 1
     ref, _ = ar.generate(m, p, temperature=0, use_cache=False)
     cached, st = ar.generate(m, p, temperature=0)
     assert torch.equal(ref, cached) and st["nfe"] == m.grid.num_visual_tokens
     assert len(torch.unique(ref)) > 4  # the greedy image is not one repeated code
 
 
+def test_padding_is_invisible_an_image_does_not_depend_on_its_batch():
+    m = FakeBackbone(eol=True)
+    both, _ = ar.generate(m, m.prompts(PROMPTS), cfg_scale=3.0, temperature=0)
+    for i, text in enumerate(PROMPTS):
+        alone, _ = ar.generate(m, m.prompts([text]), cfg_scale=3.0, temperature=0)
+        assert torch.equal(alone[0], both[i]), text
+    with pytest.raises(TypeError, match=r"backbone.prompts\(texts\)"):
+        ar.generate(m, torch.zeros(1, 5, dtype=torch.long))
+
+
 @pytest.mark.parametrize("eol", [True, False])
-@pytest.mark.parametrize("decoder", ["ssd_exact", "ssd_rounds", "ssd_carry", "sjd", "sjd_vertical", "zipar_w",
-                                     "mtp1d", "specdec"])
+@pytest.mark.parametrize("decoder", ["ssd_exact", "ssd_rounds", "ssd_carry", "ssd_carry_window", "sjd", "sjd_vertical",
+                                     "zipar_w", "mtp1d", "specdec"])
 def test_lossless_decoders_equal_greedy_ar_on_the_protocol_alone(decoder, eol):
     m = FakeBackbone(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     for scale in (1.0, 3.0):
         ref, st_ar = ar.generate(m, p, cfg_scale=scale, temperature=0)
         out, st = lossless(m)[decoder](p, cfg_scale=scale, temperature=0)
@@ -149,7 +171,7 @@ def test_lossy_decoders_fill_a_valid_grid_in_fewer_passes(eol):
     """SSD at the paper's r = 2 and ZipAR with a short window are not lossless: they must still fill every
     token with a valid code, sampled reproducibly, in fewer target passes than AR."""
     m = FakeBackbone(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     _, st_ar = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     fphi = noisy(lambda: FPhi(m.hidden_size, "xs"), 1)
     runs = {"ssd": lambda rngs: ssd.generate(m, p, fphi, cfg_scale=3.0, rounds=2, rngs=rngs),
@@ -162,3 +184,17 @@ def test_lossy_decoders_fill_a_valid_grid_in_fewer_passes(eol):
         assert st["nfe"] < st_ar["nfe"], name
     decoded = m.decode(codes)
     assert decoded.shape == (3, 3, 16, 16) and 0 <= float(decoded.min()) and float(decoded.max()) <= 1
+
+
+def test_target_states_are_kept_for_a_few_rows_on_emu3s_layout():
+    """Emu3's grid (90 x 90 codes, an end-of-line token per row: 8190 image slots) at a tiny width: the decoder state
+    holds the target's states for the rows drafts and checks read, not the whole sequence."""
+    m = FakeBackbone(eol=True, height=90, width=90, codes=16, hidden=8)
+    p = m.prompts(PROMPTS[:1])
+    fphi = noisy(lambda: FPhi(m.hidden_size, "xs"), 1)
+    stride = m.grid.stride
+    for kw in ({"rounds": 1, "carry": True, "max_window_rows": 2}, {"rounds": 2}):
+        codes, st = ssd.generate(m, p, fphi, cfg_scale=3.0, rngs=make_rngs([0]), **kw)
+        assert codes.shape == (1, 90, 90) and int(codes.max()) < 16
+        dense = m.grid.height * stride
+        assert st["state_slots"] <= 4 * stride, (kw, st["state_slots"], dense)  # a few rows of 91 slots, not 8190

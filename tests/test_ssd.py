@@ -35,7 +35,7 @@ def noisy_drafter(m: ShapesLlama) -> FPhi:
                                 dict(rounds=1, carry=True, vertical=False)])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     for scale in (1.0, 3.0):
         ref, _ = ar.generate(m, p, cfg_scale=scale, temperature=0)
         out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=scale, temperature=0, **kw)
@@ -63,7 +63,7 @@ def draft_model(m: ShapesLlama, seed: int = 4) -> ShapesLlama:
 @pytest.mark.parametrize("eol", [True, False])
 def test_greedy_1d_speculation_equals_greedy_ar(eol):
     m = tiny(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     for scale in (1.0, 3.0):
         ref, _ = ar.generate(m, p, cfg_scale=scale, temperature=0)
         out, _ = mtp1d.generate(m, p, noisy_heads(m), cfg_scale=scale, temperature=0)
@@ -83,7 +83,7 @@ def test_greedy_1d_speculation_equals_greedy_ar(eol):
 def test_zipar_window_w_is_ar_and_smaller_windows_save_passes(eol):
     """window = W must reproduce AR exactly (this checks the 4-D masks of non-contiguous feeding)."""
     m = tiny(eol)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     ref, st_ar = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     out, st = zipar.generate(m, p, cfg_scale=3.0, temperature=0, window=m.grid.width)
     assert torch.equal(out, ref) and st["nfe"] == st_ar["nfe"]
@@ -95,7 +95,7 @@ def test_zipar_window_w_is_ar_and_smaller_windows_save_passes(eol):
 @pytest.mark.parametrize("rounds", [0, 1, 2])
 def test_nfe_is_bounded_by_rows_times_rounds_plus_one(rounds):
     m = tiny(True)
-    _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds,
+    _, st = ssd.generate(m, m.prompts(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds,
                          rngs=make_rngs([0, 1, 2]))
     assert st["nfe"] <= m.grid.height * (rounds + 1) + 1
     assert st["accept_map"].shape == (3, m.grid.height, m.grid.width)
@@ -106,7 +106,7 @@ def test_unchecked_tokens_count_what_the_last_round_left_unverified():
     """Auto-correct reports the tokens never judged with their final left context: some at r = 0 with a
     poor drafter, none once every row has converged (greedy, r = W), none with carry."""
     m = tiny(True)
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     _, st0 = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=0, rngs=make_rngs([0, 1, 2]))
     assert st0["unchecked_tokens"].sum() > 0
     assert (st0["unchecked_tokens"] <= m.grid.num_visual_tokens).all()
@@ -122,7 +122,7 @@ def test_carry_spends_the_row_budget_then_only_the_flush(rounds):
     """carry=True: at most rounds + 1 passes per row, then passes only until the last carried token is
     final."""
     m = tiny(True)
-    _, st = ssd.generate(m, m.prompt_ids(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds, carry=True,
+    _, st = ssd.generate(m, m.prompts(PROMPTS), noisy_drafter(m), cfg_scale=3.0, rounds=rounds, carry=True,
                          rngs=make_rngs([0, 1, 2]))
     assert st["flush_passes"] <= m.grid.num_visual_tokens
     assert st["nfe"] <= m.grid.height * (rounds + 1) + 1 + st["flush_passes"]
@@ -171,7 +171,7 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     m = tiny(True, codes=4, grid=2, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
     n = 4000
-    prompt_ids = m.prompt_ids([PROMPTS[0]] * n)
+    prompt_ids = m.prompts([PROMPTS[0]] * n)
     rngs = make_rngs(range(n))
     if decoder == "ar":
         out, _ = ar.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs)
@@ -207,7 +207,7 @@ def test_greedy_decoders_equal_ar_on_the_shipped_backbone_and_images_hold_object
     ck = Path(__file__).resolve().parents[1] / "checkpoints"
     m = load_shapes_generator(ck / "ar_shapes", ck / "vq_shapes")
     prompts = ["a photo of a blue circle", "a photo of two triangles", "a drawing of a circle right of a triangle"]
-    p = m.prompt_ids(prompts)
+    p = m.prompts(prompts)
     ref, _ = ar.generate(m, p, cfg_scale=2.0, temperature=0)
     images = (m.decode(ref).clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).numpy()
     assert all(len(parse(im)) >= 1 for im in images)
@@ -231,7 +231,7 @@ def test_token_id_drafter_plugs_into_ssd_and_stays_exact(eol):
     m = tiny(eol)
     torch.manual_seed(5)
     drafter = TokenDrafter(m.hidden_size, m.grid.num_visual, preset="xs")
-    p = m.prompt_ids(PROMPTS)
+    p = m.prompts(PROMPTS)
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     for kw in (dict(rounds=m.grid.width), dict(exact=True)):
         out, st = ssd.generate(m, p, drafter, cfg_scale=3.0, temperature=0, **kw)
@@ -240,7 +240,7 @@ def test_token_id_drafter_plugs_into_ssd_and_stays_exact(eol):
 
 def test_bad_decoder_inputs_name_the_value():
     m = tiny(True)
-    p = m.prompt_ids(PROMPTS[:1])
+    p = m.prompts(PROMPTS[:1])
     d = noisy_drafter(m)
     with pytest.raises(ValueError, match="rounds must be >= 0, got -1"):
         ssd.generate(m, p, d, rounds=-1)
@@ -280,7 +280,7 @@ def test_carry_images_progress_alone_in_a_batch():
     the batch's passes are its slowest image's without a lead bound, and more with max_lead=0 (lockstep rows)."""
     m = tiny(True, grid=6)
     prompts = PROMPTS + ["a green diamond"]
-    p = m.prompt_ids(prompts)
+    p = m.prompts(prompts)
     for temperature in (0.0, 1.0):
         kw = dict(cfg_scale=3.0, temperature=temperature, rounds=1, carry=True)
         out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), max_lead=None, **kw)
@@ -299,15 +299,15 @@ def test_carry_images_progress_alone_in_a_batch():
 def test_options_that_do_not_combine_raise():
     m = tiny(True)
     with pytest.raises(ValueError, match="carry=True and exact=True do not combine"):
-        ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, exact=True)
+        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), carry=True, exact=True)
     with pytest.raises(ValueError, match="max_lead"):
-        ssd.generate(m, m.prompt_ids(PROMPTS[:1]), noisy_drafter(m), carry=True, max_lead=-1)
+        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), carry=True, max_lead=-1)
 
 
 def test_window_bound_keeps_greedy_equality_and_batch_invariance():
     """max_window_rows: no image has more rows than the bound not final when it drafts; outputs stay exact."""
     m = tiny(True, grid=6)
-    p = m.prompt_ids(PROMPTS + ["a green diamond"])
+    p = m.prompts(PROMPTS + ["a green diamond"])
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     for rows in (1, 2):
         out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True,

@@ -94,7 +94,7 @@ def test_an_empty_prompt_is_refused_not_made_unconditional(prompt):
     with pytest.raises(ValueError, match="empty prompt"):
         ShapesLlama(num_codes=16, grid_size=4, preset="tiny").prompt_ids(["a red circle", prompt])
     with pytest.raises(ValueError, match="empty prompt"):
-        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", sample_steps=2).prompt_ids([prompt])
+        ShapesMAR(grid_size=4, token_dim=3, preset="tiny", sample_steps=2).prompts([prompt])
 
 
 def test_renderer_is_deterministic_and_textured_differs():

@@ -118,7 +118,7 @@ def costs(target, draft, batch: int, num_iter: int = 16, cfg_scale: float = 3.0,
           prefill_ratio: float = 0.05) -> dict:
     """Seconds per generation of `batch` images for each piece of target-only sampling and of CSpD."""
     L, K, d = target.seq_len, target.num_steps, target.token_dim
-    prompts = target.prompt_ids(["a photo of a red circle"] * batch)
+    prompts = target.prompts(["a photo of a red circle"] * batch)
     tokens = torch.randn(batch, L, d, device=target.device)
     rank, sched = target.plan(make_rngs(range(batch), target.device), num_iter)
     num_iter = len(sched)

@@ -42,7 +42,7 @@ class ContinuousBackbone(Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def prompt_ids(self, prompts: list[str]) -> list: ...  # validated prompts, as the runner passes them
+    def prompts(self, prompts: list[str]) -> list: ...  # validated prompts, as the runner passes them
 
     def conditioning(self, prompts: list, guided: bool) -> Any: ...  # both branches when guided
 

@@ -61,7 +61,7 @@ class Harmon(nn.Module):
     def device(self) -> torch.device:
         return self.mar.device
 
-    def prompt_ids(self, prompts: list[str]) -> list[str]:
+    def prompts(self, prompts: list[str]) -> list[str]:
         bad = [p for p in prompts if not isinstance(p, str) or not p.strip()]
         if bad:
             raise ValueError(f"Harmon takes text prompts, got {bad[0]!r}")

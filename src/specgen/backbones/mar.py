@@ -110,7 +110,7 @@ class ShapesMAR(nn.Module):
     def num_steps(self) -> int:
         return self.diffusion.sample_steps
 
-    def prompt_ids(self, prompts: list[str]) -> list:
+    def prompts(self, prompts: list[str]) -> list:
         """Continuous decoders take the prompts themselves (validated here, conditioned later); class
         prompts are class ids ('207' or 207)."""
         if self.cond == "class":

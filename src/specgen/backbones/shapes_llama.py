@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
-from specgen.backbones.protocol import TokenGrid
+from specgen.backbones.prenorm import split_final_norm
+from specgen.backbones.protocol import Prompts, PromptRows, TokenGrid
 from specgen.world.prompts import WORDS, tokenize_words
 
 SPECIALS = ("<pad>", "<boi>", "<eoi>", "<eol>")
@@ -48,9 +49,9 @@ class ShapesLlama(nn.Module):
         self.model = LlamaForCausalLM(self.config)
         # Pre-norm hidden states are what SSD's f_phi predicts: the decoder's own final norm is
         # replaced by identity and applied in `head` instead (hidden_states[-1] is post-norm).
-        self.final_norm = self.model.model.norm
-        self.model.model.norm = nn.Identity()
+        self.final_norm = split_final_norm(self.model.model)
         self.__dict__["tokenizer"] = None  # set by attach_tokenizer; kept out of this module's weights
+        self.identity = ""  # '<weights id>-<tokenizer id>', set by the loader (backbones.loading)
 
     # ---- prompts -------------------------------------------------------------------------------
     def prompt_ids(self, prompts: list[str]) -> torch.Tensor:
@@ -72,9 +73,20 @@ class ShapesLlama(nn.Module):
         out[:, -1] = BOI
         return out
 
+    def prompts(self, texts: list[str]) -> Prompts:
+        """The protocol's prompt object: every prompt fills the fixed slot, so no row is padded (PAD words inside
+        the slot are tokens the model was trained to see)."""
+        cond = self.prompt_ids(list(texts)).tolist()
+        null = self.null_prompt_ids(1)[0].tolist()
+        return Prompts(tuple(texts), tuple(map(tuple, cond)), (tuple(null),) * len(cond), PAD, self.device)
+
     @property
     def device(self) -> torch.device:
         return self.final_norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_norm.weight.dtype
 
     # ---- model ---------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -82,9 +94,10 @@ class ShapesLlama(nn.Module):
         h = self.model.model(input_ids=ids, use_cache=False).last_hidden_state  # pre-norm (B, T, D)
         return self.head(h)
 
-    def new_cache(self, static: bool = False) -> DynamicCache | StaticCache:
-        """A KV cache; `static`: preallocated to the whole sequence, about 3x faster per AR step at batch 128
-        (a DynamicCache concatenates every layer's keys and values at every step), but it cannot roll back."""
+    def new_cache(self, rows: PromptRows | None = None, static: bool = False) -> DynamicCache | StaticCache:
+        """A KV cache (the fixed prompt slot has no padding: `rows` needs no record); `static`: preallocated to the
+        whole sequence, about 3x faster per AR step at batch 128 (a DynamicCache concatenates every layer's keys
+        and values at every step), but it cannot roll back."""
         if static:
             return StaticCache(config=self.config, max_cache_len=self.grid.seq_len)
         return DynamicCache(config=self.config)
@@ -102,9 +115,30 @@ class ShapesLlama(nn.Module):
                                use_cache=cache is not None)
         return out.last_hidden_state
 
+    def forward_embeds(self, embeds: torch.Tensor, slots: torch.Tensor, cache: DynamicCache | StaticCache,
+                       attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The protocol's forward: input embeddings (B, q, D) at slots (q,) or (B, q) -> pre-norm hidden (B, q, D).
+        Slots are position ids here (the prompt slot is never padded)."""
+        if slots.ndim == 1:
+            slots = slots.unsqueeze(0).expand(embeds.shape[0], -1)
+        out = self.model.model(inputs_embeds=embeds, position_ids=slots, cache=cache, attention_mask=attn_mask,
+                               use_cache=cache is not None)
+        return out.last_hidden_state
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings of token ids: (...,) -> (..., D)."""
         return self.model.model.embed_tokens(ids)
+
+    embed_tokens = embed
+
+    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of visual codes: (...,) -> (..., D)."""
+        return self.embed(codes + self.grid.visual_start)
+
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm states (..., D) -> logits over the visual codes (..., num_visual)."""
+        g = self.grid
+        return self.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
 
     @property
     def hidden_size(self) -> int:

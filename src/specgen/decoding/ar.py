@@ -7,46 +7,41 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
 from specgen.decoding.sampling import guide, sample
+from specgen.decoding.state import prompt_rows
 from specgen.utils.validate import expect_float
-
-
-def _batch_for_cfg(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_rows: bool) -> torch.Tensor:
-    """Stack [cond; uncond] prompt slots when guidance is on: (B, P) -> (2B, P)."""
-    if not cfg_rows:
-        return prompt_ids
-    return torch.cat([prompt_ids, backbone.null_prompt_ids(prompt_ids.shape[0])], dim=0)
 
 
 def visual_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: float, cfg_rows: bool) -> torch.Tensor:
     """Guided logits over visual codes only: (2B or B, ..., D) -> (B, ..., num_visual)."""
-    g = backbone.grid
-    logits = backbone.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+    logits = backbone.visual_logits(hidden)
     return guide(logits, cfg_scale) if cfg_rows else logits
 
 
 @torch.no_grad()
-def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 1.0,
+def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.0,
              temperature: float = 1.0, top_k: int | None = None,
              rngs: list[torch.Generator] | None = None, use_cache: bool = True,
-             cfg_rows: bool | None = None, cache=None):
-    """Sample visual codes (B, H, W) for prompt slots (B, P). Returns (codes, stats).
+             cfg_rows: bool | None = None, static_cache: bool = False):
+    """Sample visual codes (B, H, W) for a batch of prompts. Returns (codes, stats).
 
     `cfg_rows` forces (True) or drops (False) the unconditional rows; by default they run iff
-    cfg_scale != 1. `cache`: an empty cache to decode into (default: `backbone.new_cache()`); AR never rolls
-    back, so an append-only preallocated cache works too.
+    cfg_scale != 1. `static_cache`: decode into the backbone's preallocated cache where it has one (AR never rolls
+    back, so an append-only cache works). `use_cache=False` is the reference path: the whole sequence is fed again
+    at every step.
     """
-    g = backbone.grid
     expect_float("cfg_scale", cfg_scale, 0.0)
     expect_float("temperature", temperature, 0.0)
     cfg_rows = cfg_scale != 1.0 if cfg_rows is None else cfg_rows
-    ids = _batch_for_cfg(backbone, prompt_ids, cfg_rows)  # (B', P)
-    B, reps = prompt_ids.shape[0], ids.shape[0] // prompt_ids.shape[0]
-    device = ids.device
-    cache = (backbone.new_cache() if cache is None else cache) if use_cache else None
-    seq = ids
-    hidden = backbone.forward_hidden(ids, torch.arange(ids.shape[1], device=device), cache)[:, -1]  # prefill
+    rows = prompt_rows(prompts, cfg_rows)
+    g = backbone.grid.at(rows.length)
+    B, reps, device = rows.batch, rows.reps, rows.ids.device
+    cache = backbone.new_cache(rows, static=static_cache) if use_cache else None
+    prompt = backbone.embed_tokens(rows.ids)  # (B', P, D)
+    seq = prompt
+    hidden = backbone.forward_embeds(prompt, torch.arange(rows.length, device=device),
+                                     cache if use_cache else backbone.new_cache(rows))[:, -1]  # prefill
     nfe = 1
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=device)
     for r in range(g.height):
@@ -55,16 +50,17 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
             codes[:, r, c] = tok
             if r == g.height - 1 and c == g.width - 1:
                 break  # the last visual token is never fed
-            feed = [tok + g.visual_start]
+            feed = [tok]
             if c == g.width - 1 and g.eol_id is not None:
-                feed.append(torch.full_like(tok, g.eol_id))  # forced: rides along in the same pass
-            feed_ids = torch.stack(feed, dim=1).repeat(reps, 1)  # (B', n)
+                feed.append(torch.full_like(tok, g.eol_token))  # forced: rides along in the same pass
+            embeds = embed_image(backbone, torch.stack(feed, dim=1).repeat(reps, 1))  # (B', n, D)
             start = g.position(r, c)
             if use_cache:
-                pos = torch.arange(start, start + feed_ids.shape[1], device=device)
-                hidden = backbone.forward_hidden(feed_ids, pos, cache)[:, -1]
-            else:  # reference path: recompute the whole prefix every step
-                seq = torch.cat([seq, feed_ids], dim=1)
-                hidden = backbone.forward_hidden(seq, torch.arange(seq.shape[1], device=device))[:, -1]
+                pos = torch.arange(start, start + embeds.shape[1], device=device)
+                hidden = backbone.forward_embeds(embeds, pos, cache)[:, -1]
+            else:  # reference path: recompute the whole prefix every step, into a fresh cache
+                seq = torch.cat([seq, embeds], dim=1)
+                pos = torch.arange(seq.shape[1], device=device)
+                hidden = backbone.forward_embeds(seq, pos, backbone.new_cache(rows))[:, -1]
             nfe += 1
     return codes, {"nfe": nfe}

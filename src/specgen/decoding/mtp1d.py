@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import sample_probs
 from specgen.decoding.spec1d import speculate
-from specgen.decoding.state import SpecState, check_drafter
+from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float
 
 
@@ -47,11 +47,12 @@ def _head_drafter(heads):
 
 
 @torch.no_grad()
-def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
+def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, rngs=None):
     """Sample visual codes (B, H, W) with multi-token heads drafting. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
     check_drafter(backbone, drafter, ("ahead_1",))  # heads, not a right/down (SSD) drafter
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
+    drafter = fit_drafter(backbone, drafter)
+    st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     stats = speculate(st, _head_drafter(drafter), window=drafter.num_heads + 1)
     return st.codes(), stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import sample_probs
 from specgen.decoding.spec1d import speculate
 from specgen.decoding.state import SpecState
@@ -48,7 +48,7 @@ class _Jacobi:
 
 
 @torch.no_grad()
-def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 3.0,
+def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, rngs=None, window: int = 16,
              init: str = "random"):
     """Sample visual codes (B, H, W) by speculative Jacobi decoding. Returns (codes, stats)."""
@@ -56,7 +56,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     expect_int("window", window, 1)
     if init not in INITS:
         raise ValueError(f"unknown SJD init {init!r}: expected one of {INITS}")
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
+    st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     jacobi = _Jacobi(st, init)
     stats = speculate(st, jacobi, window=window, observe=jacobi.observe)
     return st.codes(), stats

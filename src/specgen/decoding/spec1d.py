@@ -34,6 +34,7 @@ def speculate(st: SpecState, draft_fn: DraftFn, window: int, observe=None) -> di
     accepted_total = torch.zeros(B, dtype=torch.long, device=dev)
     while (frontier < N).any():
         lo, hi = int(frontier.min()), min(N, int(frontier.max()) + window)
+        st.hid.release(int(vis[lo]) - 1)  # drafts and checks read states from the frontier's on
         idx = torch.arange(lo, hi, device=dev)
         tokens, q, drafted = draft_fn(st, frontier, lo, hi)
         keep = idx[None, :] < frontier[:, None]  # final tokens stay as they are
@@ -63,4 +64,4 @@ def speculate(st: SpecState, draft_fn: DraftFn, window: int, observe=None) -> di
         accepted_total += torch.where(live, n_ok, torch.zeros_like(n_ok))
         frontier = torch.where(live, stop + has_fix.long(), frontier)
     return {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": N / st.nfe,
-            "accepted_drafts": accepted_total.float()}
+            "accepted_drafts": accepted_total.float(), "state_slots": st.hid.peak_slots}

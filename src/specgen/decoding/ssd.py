@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, sample_probs
-from specgen.decoding.state import SpecState, check_drafter
+from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -49,11 +49,11 @@ def _draft_right(st: SpecState, drafter, start: int, row: int,
             tok = sample_probs(q, st.rngs)
             codes.append(tok)
             qs.append(q)
-            ids = (tok + g.visual_start).repeat(st.reps)
+            ids = tok.repeat(st.reps)
         else:  # a token already known (previous row, end-of-row)
             ids = st.seq[:, pos]
         if pos < g.position(row, g.width - 1):
-            h = drafter.right(h, st.bb.embed(ids))
+            h = drafter.right(h, st.embed(ids))
             is_state = not tokens_out
             st.draft_calls += 1
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, Vv)
@@ -69,7 +69,7 @@ def _draft_down(st: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor
     rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
     if getattr(drafter, "left_context", False):
         return _draft_down_left(st, drafter, above, rep, images, draft_temperature)
-    h = drafter.down(st.hid[rep, above - 1], st.bb.embed(st.seq[rep, above]))  # (S', W, D) or code logits
+    h = drafter.down(st.hid[rep, above - 1], st.embed(st.seq[rep, above]))  # (S', W, D) or code logits
     st.draft_calls += 1
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
     q = st.dist_logits(h, draft_temperature) if tokens_out else st.dist(h, draft_temperature)
@@ -81,22 +81,22 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     """Down drafts with left context: the row trunk once, then column by column from the previous column's draft."""
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
-    trunk = drafter.down_trunk(hidden, st.bb.embed(st.seq[rep, above]))  # (S', W, width)
+    trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
     prev = st.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
     codes, qs = [], []
     for c in range(g.width):
-        state = drafter.down_column(trunk[:, c], hidden[:, c], st.bb.embed(prev))  # (S', D)
+        state = drafter.down_column(trunk[:, c], hidden[:, c], st.embed(prev))  # (S', D)
         q = st.dist(state, draft_temperature)  # (S, V)
         tok = sample_probs(q, st.image_gens(images))
         codes.append(tok)
         qs.append(q)
-        prev = (tok + g.visual_start).repeat(st.reps)
+        prev = tok.repeat(st.reps)
     st.draft_calls += g.width
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
 @torch.no_grad()
-def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_scale: float = 3.0,
+def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, rngs=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None):
@@ -120,8 +120,9 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     if draft_temperature is not None:
         expect_float("draft_temperature", draft_temperature, 0.0)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
-    st = SpecState(backbone, prompt_ids, cfg_scale, temperature, top_k, rngs)
-    g, B, dev = st.g, st.B, prompt_ids.device
+    drafter = fit_drafter(backbone, drafter)
+    st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
+    g, B, dev = st.g, st.B, st.seq.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
         return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature)
@@ -130,6 +131,8 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
     for r in range(g.height):
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
+        if r:  # drafts read the row above's states from the one before its first token on
+            st.hid.release(g.position(r - 1, 0) - 1)
         if r == 0 or not vertical:
             start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
             draft, q = _draft_right(st, drafter, start, r, draft_temperature)
@@ -144,7 +147,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, drafter, cfg_
     codes = st.codes()
     stats = {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
-             "accept_map": accept_map, "unchecked_tokens": unchecked.float()}
+             "accept_map": accept_map, "unchecked_tokens": unchecked.float(), "state_slots": st.hid.peak_slots}
     return codes, stats
 
 
@@ -196,6 +199,13 @@ class _Window:
         self.first_row = torch.full((B,), -1, dtype=torch.long, device=dev)  # row awaiting its first pass
         self.pos = torch.zeros(0, dtype=torch.long, device=dev)  # (n,) union window, ascending
         self.prop = torch.zeros(B, 0, g.num_visual, device=dev)  # (B, n, V) proposal of each window token
+
+    def floor(self) -> int:
+        """The lowest slot whose state a draft or a pass may still read: the one before the slowest image's row
+        above, or before the window."""
+        g = self.st.g
+        above = g.position(max(int(self.next_row.min()) - 1, 0), 0) - 1
+        return min(above, int(self.final_upto.min()) - 1)
 
     def live(self) -> torch.Tensor:
         """(B,) images with a drafted token that is not final yet."""
@@ -287,6 +297,7 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
     while True:
+        st.hid.release(win.floor())
         ready = win.ready()
         if ready.any():
             images = ready.nonzero().flatten()
@@ -314,7 +325,7 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
     return codes, {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
                    "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
                    "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
-                   "image_passes": (win.passes + 1).float(), "flush_passes": flush}
+                   "image_passes": (win.passes + 1).float(), "flush_passes": flush, "state_slots": st.hid.peak_slots}
 
 
 def _verify_exact(st: SpecState, cols: torch.Tensor, q: torch.Tensor):

@@ -1,9 +1,9 @@
-"""Shared state of speculative decoders: token values, latest target states, cache bookkeeping."""
+"""Shared state of speculative decoders: image tokens, the target states drafters need, cache bookkeeping."""
 from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, PromptRows, embed_image, weights_part
 from specgen.decoding.sampling import guide, probs
 from specgen.utils.validate import expect_float
 
@@ -24,10 +24,10 @@ def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = 
     if width is not None and width != backbone.hidden_size:
         raise ValueError(f"the drafter ({kind}) works on hidden states of width {width} but the backbone's are "
                          f"{backbone.hidden_size}: distil one for this backbone ({retrain})")
-    trained_on, using = getattr(drafter, "backbone_id", ""), getattr(backbone, "identity", "")
-    if trained_on and using and not using.startswith(trained_on):
+    trained_on, using = getattr(drafter, "backbone_id", ""), weights_part(backbone.identity)
+    if trained_on and using and using != trained_on:
         raise ValueError(f"the drafter ({kind}) was distilled from backbone weights {trained_on!r} but the backbone "
-                         f"in use is {using.split('-')[0]!r} (another model, or another row layout): distil it again "
+                         f"in use is {using!r} (another model, or another row layout): distil it again "
                          f"on this backbone ({retrain})")
     missing = [d for d in needs if have is not None and d not in have]
     if not missing:
@@ -44,43 +44,114 @@ def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = 
                      f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
 
 
-class SpecState:
-    """Buffers of one batched generation: token values, latest target states, cache bookkeeping."""
+def fit_drafter(backbone: DiscreteBackbone, drafter):
+    """The drafter on the backbone's device and in its dtype (a drafter loads on CPU in fp32; a real backbone runs
+    in bf16 on a GPU). A no-op where they already agree."""
+    param = next(iter(drafter.parameters()), None) if hasattr(drafter, "parameters") else None
+    if param is not None and (param.device != backbone.device or param.dtype != backbone.dtype):
+        drafter.to(device=backbone.device, dtype=backbone.dtype)
+    return drafter
 
-    def __init__(self, backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float,
+
+class StateWindow:
+    """The target's latest pre-norm states over a sliding range of slots, not the whole sequence: decoders read
+    the states their drafters and verifiers need (the row above, the current window) and `release` the rest.
+    Indexed like a (B', T, D) tensor by slot; reading a released slot raises, one not computed yet reads zeros."""
+
+    def __init__(self, rows: int, width: int, device, dtype):
+        self.buf = torch.zeros(rows, 0, width, device=device, dtype=dtype)  # (B', n, D) slots [base, base + n)
+        self.base = self.floor = 0
+        self.peak_slots = 0  # the most slots held at once (a memory bound tests check)
+
+    def release(self, slot: int) -> None:
+        """States below `slot` are no longer needed."""
+        self.floor = max(self.floor, int(slot))
+
+    def write(self, start: int, hidden: torch.Tensor) -> None:
+        end = start + hidden.shape[1]
+        if start < self.base:
+            raise RuntimeError(f"states from slot {start} are written but slots below {self.base} were released")
+        if end > self.base + self.buf.shape[1]:
+            keep = min(max(self.floor, self.base), start)
+            if keep > self.base:  # drop the released slots first
+                self.buf = self.buf[:, keep - self.base:]
+                self.base = keep
+            grow = end - self.base - self.buf.shape[1]
+            if grow > 0:  # grow by at least the current size: amortised appends
+                extra = max(grow, self.buf.shape[1])
+                self.buf = torch.cat([self.buf, self.buf.new_zeros(self.buf.shape[0], extra, self.buf.shape[2])], 1)
+        self.buf[:, start - self.base:end - self.base] = hidden
+        self.peak_slots = max(self.peak_slots, self.buf.shape[1])
+
+    def __getitem__(self, key):
+        rows, slots = key
+        low = int(slots.min()) if torch.is_tensor(slots) else int(slots)
+        if low < self.base:
+            raise RuntimeError(f"the state at slot {low} was released (states are kept from slot {self.base}): "
+                               f"the decoder released too early")
+        idx = torch.as_tensor(slots, device=self.buf.device) - self.base
+        n = self.buf.shape[1]
+        if n and bool((idx < n).all()):
+            return self.buf[rows, idx]
+        # a slot not computed yet reads as zeros, as it did in the dense buffer (1D-MTP drafts the token after a
+        # fully accepted run from it; the draft is verified like any other)
+        if not n:
+            raise RuntimeError("no target state was computed yet: run the prefill pass first")
+        out = self.buf[rows, idx.clamp_max(n - 1)]
+        return torch.where((idx < n)[..., None] if idx.ndim else idx < n, out, 0)
+
+
+class SpecState:
+    """Buffers of one batched generation: image tokens, latest target states, cache bookkeeping.
+
+    `seq` (B', T) holds image tokens at image slots (visual codes, forced tokens as `num_visual + k`), -1 at prompt
+    slots (the prompt is fed from its rows). Forced end-of-row tokens are in place from the start, so every decoder
+    feeds them without knowing they exist."""
+
+    def __init__(self, backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float,
                  temperature: float, top_k: int | None, rngs):
         expect_float("cfg_scale", cfg_scale, 0.0)  # 0 = unconditional, 1 = conditional, > 1 guided
-        self.bb, self.g = backbone, backbone.grid
+        self.bb = backbone
         self.cfg_scale, self.temperature, self.top_k, self.rngs = cfg_scale, temperature, top_k, rngs
-        self.B = prompt_ids.shape[0]
-        ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(self.B)])
-        self.reps = ids.shape[0] // self.B
-        dev = ids.device
-        T = self.g.seq_len
-        self.seq = torch.zeros(ids.shape[0], T, dtype=torch.long, device=dev)  # (B', T) current tokens
-        self.seq[:, : ids.shape[1]] = ids
-        if self.g.eol_id is not None:
-            self.seq[:, self.g.position(torch.arange(self.g.height, device=dev), self.g.width)] = self.g.eol_id
-        self.hid = torch.zeros(ids.shape[0], T, backbone.hidden_size, device=dev)  # latest pre-norm states
-        self.cache = backbone.new_cache()
+        self.rows: PromptRows = prompt_rows(prompts, cfg_scale != 1.0)
+        self.B, self.reps = self.rows.batch, self.rows.reps
+        self.g = backbone.grid.at(self.rows.length)
+        dev, g = self.rows.ids.device, self.g
+        self.seq = torch.full((self.rows.ids.shape[0], g.position(g.height, 0)), -1, dtype=torch.long, device=dev)
+        self.seq[:, g.prefix_len:] = 0
+        if g.eol_id is not None:
+            self.seq[:, g.position(torch.arange(g.height, device=dev), g.width)] = g.eol_token
+        self.hid = StateWindow(self.seq.shape[0], backbone.hidden_size, dev, backbone.dtype)
+        self.cache = backbone.new_cache(self.rows)
         self.cached = 0  # cache positions [0, cached) hold the current tokens
         self.nfe = self.draft_calls = 0
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of image tokens (any shape)."""
+        return embed_image(self.bb, tokens)
 
     def target_pass(self, end: int) -> None:
         """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive)."""
         if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
             return
+        P = self.g.prefix_len
         self.bb.rollback(self.cache, self.cached)
+        if self.cached < P:  # prefill: the prompt rows (a decoder's first pass ends at the prompt's end)
+            if end != P or self.cached:
+                raise RuntimeError(f"the first target pass must cover the prompt exactly (slots [0, {P})), "
+                                   f"not [{self.cached}, {end})")
+            embeds = self.bb.embed_tokens(self.rows.ids)
+        else:
+            embeds = self.embed(self.seq[:, self.cached:end])
         pos = torch.arange(self.cached, end, device=self.seq.device)
-        self.hid[:, self.cached:end] = self.bb.forward_hidden(self.seq[:, self.cached:end], pos, self.cache)
+        self.hid.write(self.cached, self.bb.forward_embeds(embeds, pos, self.cache))
         self.cached = end
         self.nfe += 1
 
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.
         `temperature` overrides the decoding temperature (drafts may be drawn colder than the target)."""
-        g = self.g
-        return self.dist_logits(self.bb.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual], temperature)
+        return self.dist_logits(self.bb.visual_logits(hidden), temperature)
 
     def dist_logits(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., Vv) visual-code logits -> (B, ..., Vv) sampling distributions (guided, warped)."""
@@ -95,7 +166,7 @@ class SpecState:
         rows = torch.cat([images + k * self.B for k in range(self.reps)])[:, None]  # (S', 1): with the CFG rows
         pos = positions.expand(len(images), -1) if positions.ndim == 1 else positions
         pos = pos.repeat(self.reps, 1)  # (S', n)
-        new = (codes + self.g.visual_start).repeat(self.reps, 1)
+        new = codes.repeat(self.reps, 1)
         changed = self.seq[rows, pos] != new
         if changed.any():
             self.cached = min(self.cached, int(pos[changed].min()))
@@ -106,7 +177,7 @@ class SpecState:
         return None if self.rngs is None else [self.rngs[int(b)] for b in images]
 
     def visual(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.seq[: self.B, positions] - self.g.visual_start
+        return self.seq[: self.B, positions]
 
     def visual_positions(self) -> torch.Tensor:
         """(H*W,) sequence positions of the visual tokens in raster order."""
@@ -118,3 +189,10 @@ class SpecState:
         """The current visual codes (B, H, W)."""
         return self.visual(self.visual_positions()).view(self.B, self.g.height, self.g.width)
 
+
+def prompt_rows(prompts: Prompts, guided: bool) -> PromptRows:
+    """The padded rows of a decoder's prompts, with a clear error for a tensor of ids (the old call shape)."""
+    if not isinstance(prompts, Prompts):
+        raise TypeError(f"decoders take the backbone's prompt object, got {type(prompts).__name__}: call "
+                        f"decode(backbone, backbone.prompts(texts), ...)")
+    return prompts.rows(guided)

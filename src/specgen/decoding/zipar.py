@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
 from specgen.decoding.sampling import guide, sample
+from specgen.decoding.state import prompt_rows
 from specgen.utils.validate import expect_float, expect_int
 
 
@@ -26,7 +27,7 @@ def _mask(slot_pos: torch.Tensor, new_pos: torch.Tensor, batch: int, dtype) -> t
 
 
 @torch.no_grad()
-def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: float = 3.0,
+def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 3.0,
              temperature: float = 1.0, top_k: int | None = None, rngs=None, window: int = 4):
     """Sample visual codes (B, H, W) with ZipAR's parallel row schedule. Returns (codes, stats)."""
     expect_float("temperature", temperature, 0.0)
@@ -35,12 +36,12 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
     if window > g.width:
         raise ValueError(f"window={window} does not fit the grid: a row has {g.width} tokens, so a row can wait for "
                          f"at most {g.width} tokens of the row above (window={g.width} is plain AR)")
-    B = prompt_ids.shape[0]
-    ids = prompt_ids if cfg_scale == 1.0 else torch.cat([prompt_ids, backbone.null_prompt_ids(B)])
-    reps, dev = ids.shape[0] // B, ids.device
-    cache = backbone.new_cache()
-    h = backbone.forward_hidden(ids, torch.arange(ids.shape[1], device=dev), cache)
-    slot_pos = torch.arange(ids.shape[1], device=dev)
+    rows = prompt_rows(prompts, cfg_scale != 1.0)
+    g = g.at(rows.length)
+    B, reps, dev = rows.batch, rows.reps, rows.ids.device
+    cache = backbone.new_cache(rows)
+    h = backbone.forward_embeds(backbone.embed_tokens(rows.ids), torch.arange(rows.length, device=dev), cache)
+    slot_pos = torch.arange(rows.length, device=dev)
     state = {0: h[:, -1]}  # row -> state predicting its next token (B', D)
     count = [0] * g.height
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=dev)
@@ -49,7 +50,7 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
         active = [r for r in range(g.height) if r in state and count[r] < g.width]
         feed_ids, feed_pos, targets = [], [], []  # targets: rows whose next state each output becomes
         for r in active:
-            logits = backbone.head(state[r])[..., g.visual_start: g.visual_start + g.num_visual]
+            logits = backbone.visual_logits(state[r])
             tok = sample(guide(logits, cfg_scale) if reps == 2 else logits, temperature, top_k, rngs)
             c = count[r]
             codes[:, r, c] = tok
@@ -57,11 +58,11 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
             if r == g.height - 1 and c == g.width - 1:
                 continue  # the image's last token is never fed
             start_next = r + 1 < g.height and r + 1 not in state and count[r] >= window
-            feed_ids.append((tok + g.visual_start).repeat(reps))
+            feed_ids.append(tok.repeat(reps))
             feed_pos.append(g.position(r, c))
             targets.append(([r] if c < g.width - 1 else []) + ([r + 1] if start_next and g.eol_id is None else []))
             if start_next and g.eol_id is not None:  # end-of-row token: fed early, it starts the next row
-                feed_ids.append(torch.full((ids.shape[0],), g.eol_id, device=dev))
+                feed_ids.append(torch.full((rows.ids.shape[0],), g.eol_token, device=dev))
                 feed_pos.append(g.position(r, g.width))
                 targets.append([r + 1])
             if start_next:
@@ -71,7 +72,8 @@ def generate(backbone: DiscreteBackbone, prompt_ids: torch.Tensor, cfg_scale: fl
         order = sorted(range(len(feed_pos)), key=lambda i: feed_pos[i])
         pos = torch.tensor([feed_pos[i] for i in order], device=dev)
         x = torch.stack([feed_ids[i] for i in order], 1)  # (B', q)
-        out = backbone.forward_hidden(x, pos, cache, attn_mask=_mask(slot_pos, pos, x.shape[0], h.dtype))
+        out = backbone.forward_embeds(embed_image(backbone, x), pos, cache,
+                                      attn_mask=_mask(slot_pos, pos, x.shape[0], h.dtype))
         slot_pos = torch.cat([slot_pos, pos])
         nfe += 1
         for j, i in enumerate(order):

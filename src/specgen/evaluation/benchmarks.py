@@ -1,6 +1,7 @@
 """Benchmarks as objects: which (prompt, seed) jobs they need, and how they score the images."""
 from __future__ import annotations
 
+import logging
 import random
 
 from specgen.evaluation import dpg_bench
@@ -8,9 +9,12 @@ from specgen.evaluation.clipscore import clip_score, cosines, load_clip
 from specgen.evaluation.generate import Job, job_seed
 from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evaluate, read_metadata, summarize,
                                         write_official_layout)
+from specgen.evaluation.real_models import OpenClipColorClassifier, TransformersDetector
 from specgen.world import render, scene_for
 from specgen.world.prompts import DEFAULT_MIX, prompts, sample_prompt
 
+
+log = logging.getLogger(__name__)
 
 class GenEval:
     """GenEval on the shapes world (held-out prompts, exact parser) or on an official metadata file."""
@@ -25,12 +29,23 @@ class GenEval:
         self.split, self.prompts_per_task, self.samples = split, prompts_per_task, samples_per_prompt
         self.images_per_task = images_per_task
         self.metadata_file, self.layout_dir = metadata_file, layout_dir
-        self.detector = detector or ShapesDetector()
+        # the shapes world is scored by its exact parser; an official prompt file needs a real detector, without
+        # one its images are written in the official layout and not scored
+        self.detector = ShapesDetector() if detector is None and metadata_file is None else detector
         self.thresholds = thresholds or Thresholds()
 
     def metadata(self) -> list[dict]:
         if self.metadata_file is not None:
             items = read_metadata(self.metadata_file)
+            if self.prompts_per_task is not None:  # a quick run: the first prompts of each task, in file order
+                kept, seen = [], {}
+                for m in items:
+                    seen[m["tag"]] = seen.get(m["tag"], 0) + 1
+                    if seen[m["tag"]] <= self.prompts_per_task:
+                        kept.append(m)
+                items = kept
+                log.info("GenEval: the first %d prompts of each task of %s (%d prompts; prompts_per_task=null for "
+                         "all)", self.prompts_per_task, self.metadata_file, len(items))
         else:
             items = [m for t in TASKS for m in prompts(t, self.split)[: self.prompts_per_task]]
         return items
@@ -57,12 +72,35 @@ class GenEval:
             for job, image in zip(jobs, images):
                 items.setdefault(job.prompt, (job.meta, []))[1].append(image)
             write_official_layout(self.layout_dir, list(items.values()))
+        if self.detector is None:
+            log.warning("GenEval scoring skipped: no detector for real images (give benchmark.detector_path and "
+                        "benchmark.color_checkpoint, local weights); the images are in %s", self.layout_dir)
+            return {}, []
         rows = []
         for job, image in zip(jobs, images):
             correct, reason = evaluate(self.detector.detect(image), job.meta, self.thresholds)
             rows.append({"benchmark": self.name, "tag": job.meta["tag"], "prompt": job.prompt, "sample": job.sample,
                          "seed": job.seed, "correct": bool(correct), "reason": reason})
         return summarize(rows), rows
+
+
+def real_geneval(metadata_file: str, detector_path: str | None = None, color_checkpoint: str | None = None,
+                 prompts_per_task: int | None = None, samples_per_prompt: int = 4, layout_dir: str | None = None,
+                 color_model: str = "ViT-L-14-quickgelu", min_score: float = 0.05) -> GenEval:
+    """GenEval on an official metadata file for real images: scored by a local detector and colour model when both
+    paths are given, else written in the official layout only (the official evaluator can score that folder)."""
+    if not metadata_file:
+        raise ValueError("benchmark.prompts_path is not set: give GenEval's evaluation_metadata.jsonl (a copy: "
+                         "shared/benchmarks/geneval/evaluation_metadata.jsonl)")
+    detector = None
+    if detector_path or color_checkpoint:
+        if not (detector_path and color_checkpoint):
+            raise ValueError(f"GenEval scoring needs both benchmark.detector_path ({detector_path!r}) and "
+                             f"benchmark.color_checkpoint ({color_checkpoint!r}): give both, or neither to skip scoring")
+        detector = TransformersDetector(detector_path, OpenClipColorClassifier(color_model, color_checkpoint),
+                                        min_score=min_score)
+    return GenEval(metadata_file=metadata_file, detector=detector, prompts_per_task=prompts_per_task,
+                   samples_per_prompt=samples_per_prompt, layout_dir=layout_dir)
 
 
 class DPGBench:

@@ -62,9 +62,9 @@ def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: s
     bar = tqdm(total=len(todo), desc=desc, unit="img", disable=not todo)
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
-        prompt_ids = backbone.prompt_ids([j.prompt for j in batch])
+        prompts = backbone.prompts([j.prompt for j in batch])
         t0 = time.perf_counter()
-        codes, stats = decode_fn(backbone, prompt_ids, rngs=make_rngs([j.seed for j in batch],
+        codes, stats = decode_fn(backbone, prompts, rngs=make_rngs([j.seed for j in batch],
                                                                                    backbone.device))
         images = backbone.decode(codes)
         if images.is_cuda:

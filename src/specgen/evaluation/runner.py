@@ -96,7 +96,7 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
-    prompts = speed_prompts(cfg)
+    prompts = speed_prompts(cfg, benchmarks)
     speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
@@ -126,12 +126,15 @@ def run_speed(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def speed_prompts(cfg: DictConfig) -> list[str]:
+def speed_prompts(cfg: DictConfig, benchmarks: list = ()) -> list[str]:
     """The speed section's prompts: `speed.prompts` (class ids for class-conditional models) repeated to
-    `speed.num_prompts`, or held-out prompts of the embedded world."""
+    `speed.num_prompts`; with `speed.prompt_source=benchmark`, the first benchmark's own prompts (a real
+    backbone's prompt file); else held-out prompts of the embedded world."""
     given = cfg.speed.get("prompts")
     if given:
         return [str(given[i % len(given)]) for i in range(cfg.speed.num_prompts)]
+    if cfg.speed.get("prompt_source", "world") == "benchmark" and benchmarks:
+        return list(dict.fromkeys(j.prompt for j in benchmarks[0].jobs(cfg.seed)))[: cfg.speed.num_prompts]
     return [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
 
 
@@ -231,7 +234,7 @@ def _benchmarks(cfg: DictConfig) -> list:
     that `benchmark=none` (or another choice) removed: they are skipped with a note, not an error."""
     out = []
     for name, node in (cfg.get("benchmark") or {}).items():
-        if node is None:
+        if node is None or not isinstance(node, DictConfig):  # None, or a shared setting (benchmark.prompts_path)
             continue
         if "_target_" not in node:
             log.info("benchmark %r has settings but no benchmark chosen (benchmark=none?): skipped", name)

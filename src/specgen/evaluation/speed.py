@@ -50,7 +50,7 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
     """Latency/throughput/NFE/memory of one strategy at one batch size."""
     device = backbone.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    ids = [backbone.prompt_ids(b) for b in batches]
+    ids = [backbone.prompts(b) for b in batches]
     decode_fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))  # warm-up
     _reset_peak(device)
     wall, nfe, drafts, extra, n = 0.0, [], [], {}, 0

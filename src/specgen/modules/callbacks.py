@@ -126,7 +126,7 @@ class ValGenEval(L.Callback):
         if self._tokenizer is None:
             self._tokenizer = load_exported(self.tokenizer_dir, device)
         jobs = self.bench.jobs(seed=0)
-        codes, _ = ar.generate(backbone, backbone.prompt_ids([j.prompt for j in jobs]), cfg_scale=self.cfg_scale,
+        codes, _ = ar.generate(backbone, backbone.prompts([j.prompt for j in jobs]), cfg_scale=self.cfg_scale,
                                rngs=make_rngs([j.seed for j in jobs], device))
         images = (self._tokenizer.to(device).decode(codes).float() * 255).round().to(torch.uint8)
         scores, _ = self.bench.score(jobs, list(images.permute(0, 2, 3, 1).cpu().numpy()))

@@ -16,39 +16,41 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from specgen.backbones.hf import check_folder, folder_identity
 from specgen.backbones.loading import load_shapes_generator, weights_id
+from specgen.backbones.protocol import Prompts, image_states
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_rngs
-from specgen.utils.checkpoints import atomic_savez, missing_shards
+from specgen.utils.checkpoints import atomic_savez, build, missing_shards
 from specgen.utils.validate import expect_int
 from specgen.world.dataset import example
 from specgen.world.prompts import sample_example
 
+log = logging.getLogger(__name__)
 SOURCES = ("samples", "dataset")
 DATASET_OFFSET = 10_000_000  # example indices of dataset-source shards: far past any backbone training shard
 
 
-def teacher_states(backbone, prompt_ids: torch.Tensor, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-norm states and token ids of the image part, from begin-of-image to the last visual token.
+def teacher_states(backbone, prompts: Prompts, codes: torch.Tensor,
+                   guided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-norm states and image tokens of the image part, from the last prompt slot to the last visual token.
 
-    Returns (states (B, L, D), ids (B, L)) where states[:, i] sits at sequence position
-    prefix_len - 1 + i and ids[:, i] is the token it predicts (position prefix_len + i).
+    Returns (states (B', L, D), tokens (B', L)) where states[:, i] sits at slot prefix_len - 1 + i and tokens[:, i]
+    is the image token it predicts (slot prefix_len + i); with `guided`, B unconditional rows follow the B
+    conditional ones (the model's own unconditional prompt).
     """
-    g = backbone.grid
-    image = g.grid_to_sequence(codes)  # (B, H*stride [+1])
-    seq = torch.cat([prompt_ids, image], 1)
-    end = g.position(g.height - 1, g.width - 1)  # last visual token: its state is not needed
-    states = backbone.forward_hidden(seq[:, :end], torch.arange(end, device=seq.device))
-    return states[:, g.prefix_len - 1:], seq[:, g.prefix_len:end + 1]
+    return image_states(backbone, prompts.rows(guided), codes)
 
 
 class TeacherShards(Dataset):
@@ -67,23 +69,70 @@ class TeacherShards(Dataset):
                 "ids": torch.from_numpy(self.ids[i].astype(np.int64))}
 
 
+def read_prompt_file(path: str | Path) -> list[str]:
+    """Prompts from a file: one a line (.txt), GenEval's metadata (.jsonl, its "prompt" field), or a folder of
+    DPG-Bench prompt files (one prompt per .txt)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        out = [f.read_text().strip() for f in sorted(path.glob("*.txt"))]
+    elif path.suffix == ".jsonl":
+        out = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    elif path.is_file():
+        out = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    else:
+        raise FileNotFoundError(f"data.prompts_path={str(path)!r} does not exist: give a text file (one prompt a "
+                                f"line), GenEval's evaluation_metadata.jsonl or a DPG-Bench prompt folder")
+    if not out:
+        raise ValueError(f"data.prompts_path={str(path)!r} holds no prompts")
+    return out
+
+
+def load_teacher(hparams, device: str):
+    """The frozen backbone the drafter is distilled from: a real one from `generator` (a config), or the embedded
+    one from its exported folders."""
+    if hparams.get("generator"):
+        return build(dict(hparams.generator, device=device))
+    return load_shapes_generator(hparams.backbone_dir, hparams.tokenizer_dir, device)
+
+
+def teacher_key(hparams) -> str:
+    """Identity of the teacher's weights without loading them."""
+    if hparams.get("generator"):
+        return folder_identity(check_folder(hparams.generator["weights_path"], "backbone"))
+    return weights_id(hparams.backbone_dir)
+
+
 class DistillDataModule(L.LightningDataModule):
-    def __init__(self, backbone_dir: str, tokenizer_dir: str, cache_dir: str, train_shards: int = 4,
+    """Teacher shards of the embedded backbone (`backbone_dir`, `tokenizer_dir`, world prompts), or of a real one
+    (`generator`: its config, not built here; `prompts_path`: the prompts it samples from)."""
+
+    def __init__(self, backbone_dir: str | None, tokenizer_dir: str | None, cache_dir: str, train_shards: int = 4,
                  val_shards: int = 1, shard_size: int = 512, sample_batch: int = 64, cfg_scale: float = 3.0,
                  temperature: float = 1.0, top_k: int | None = None, batch_size: int = 16, seed: int = 0,
-                 num_workers: int = 0, sample_device: str = "auto", train_source: str = "samples"):
+                 num_workers: int = 0, sample_device: str = "auto", train_source: str = "samples",
+                 generator: dict | None = None, prompts_path: str | None = None):
         super().__init__()
         for name in ("train_shards", "val_shards", "shard_size", "sample_batch", "batch_size"):
             expect_int(f"data.{name}", locals()[name], 1)
         if train_source not in SOURCES:
             raise ValueError(f"data.train_source={train_source!r}: expected one of {SOURCES}")
+        if generator is not None and (prompts_path is None or train_source != "samples"):
+            raise ValueError(f"a real backbone is distilled on its own samples of a prompt file: set "
+                             f"data.prompts_path (got {prompts_path!r}) and data.train_source=samples "
+                             f"(got {train_source!r})")
+        if generator is not None:
+            generator = OmegaConf.to_container(generator, resolve=True) if OmegaConf.is_config(generator) else generator
         self.save_hyperparameters()
+        self.hparams.generator = generator
 
     def _key(self, source: str = "samples") -> str:
         h = self.hparams
-        spec = [weights_id(h.backbone_dir), h.shard_size, h.cfg_scale, h.temperature, h.top_k, h.seed]
-        if source != "samples":  # sampled shards keep the keys they always had
-            spec = [weights_id(h.backbone_dir), h.shard_size, h.seed, source]
+        spec = [teacher_key(h), h.shard_size, h.cfg_scale, h.temperature, h.top_k, h.seed]
+        if source != "samples":
+            spec = [teacher_key(h), h.shard_size, h.seed, source]
+        if h.get("prompts_path"):
+            spec.append(hashlib.sha1("\n".join(read_prompt_file(h.prompts_path)).encode()).hexdigest()[:12])
+        spec.append("image_tokens")  # ids are image tokens (codes, forced tokens after them), not vocabulary ids
         return hashlib.sha1(json.dumps(spec).encode()).hexdigest()[:12]
 
     def shard_path(self, split: str, k: int) -> Path:
@@ -98,7 +147,14 @@ class DistillDataModule(L.LightningDataModule):
         device = h.sample_device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        backbone = load_shapes_generator(h.backbone_dir, h.tokenizer_dir, device)
+        backbone = load_teacher(h, device)
+        g = backbone.grid
+        L = g.position(g.height - 1, g.width - 1) - g.prefix_len + 1  # states per sequence
+        per = 2 * L * backbone.hidden_size * 2  # conditional + unconditional branch, fp16
+        n = len(todo) * h.shard_size
+        log.info("teacher shards: %d sequences x %d states x %d wide x 2 branches in fp16 = %.2f GB in %s", n, L,
+                 backbone.hidden_size, n * per / 1e9, Path(h.cache_dir) / self._key())
+        print(f"teacher shards to write: {len(todo)} x {h.shard_size} sequences, about {n * per / 1e9:.2f} GB")
         for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
             self._write_shard(backbone, split, k, device)
 
@@ -113,22 +169,32 @@ class DistillDataModule(L.LightningDataModule):
             if dataset:  # the world's images of new scenes, encoded by the backbone's tokenizer
                 items = [example(DATASET_OFFSET + k * h.shard_size + start + i, split, h.seed, backbone.tokenizer.image_size,
                                  0.0) for i in range(n)]
-                cond = backbone.prompt_ids([meta["prompt"] for meta, _, _ in items])
+                cond = backbone.prompts([meta["prompt"] for meta, _, _ in items])
                 images = torch.from_numpy(np.stack([img for _, img, _ in items])).permute(0, 3, 1, 2).to(device)
                 codes = backbone.tokenizer.encode(images)
             else:
-                prompts = [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
-                           for i in range(n)]
-                cond = backbone.prompt_ids(prompts)
+                prompts = self._prompts(split, k * h.shard_size + start, n, base)
+                cond = backbone.prompts(prompts)
                 codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
                                        rngs=make_rngs([h.seed * 7_919 + base + i for i in range(n)], device),
-                                       cache=backbone.new_cache(static=True))  # same tokens, about 3x faster
-            s_cond, tok = teacher_states(backbone, cond, codes)
-            s_null, _ = teacher_states(backbone, backbone.null_prompt_ids(n), codes)
-            states.append(torch.stack([s_cond, s_null], 1).half().cpu().numpy())
-            ids.append(tok.int().cpu().numpy())
+                                       static_cache=True)  # same tokens, about 3x faster
+            both, tok = teacher_states(backbone, cond, codes, guided=True)  # (2n, L, D): conditional, unconditional
+            states.append(torch.stack([both[:n], both[n:]], 1).half().cpu().numpy())
+            ids.append(tok[:n].int().cpu().numpy())
         # atomic: an interrupted stage resumes at this shard
         atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
+
+    def _prompts(self, split: str, index: int, n: int, base: int) -> list[str]:
+        """Prompts of sequences index..index+n-1 of a split: the world's, or the prompt file's (its last tenth, at
+        least one, held out for validation), in order and cycled."""
+        h = self.hparams
+        if not h.get("prompts_path"):
+            return [sample_example(random.Random(h.seed * 1_000_003 + base + 2 * i), split)[0]["prompt"]
+                    for i in range(n)]
+        lines = read_prompt_file(h.prompts_path)
+        held = max(1, len(lines) // 10) if len(lines) > 1 else 0
+        pool = (lines[len(lines) - held:] if held else lines) if split == "val" else lines[: len(lines) - held]
+        return [pool[(index + i) % len(pool)] for i in range(n)]
 
     def setup(self, stage: str | None = None):
         h = self.hparams

@@ -24,10 +24,13 @@ import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
+from specgen.backbones.protocol import embed_image, weights_part
 from specgen.decoding.sampling import guide
 from specgen.modules.schedules import adamw_warmup_cosine
+from specgen.utils.checkpoints import build
 from specgen.utils.validate import expect_float, expect_int
 
 GUIDED_LOSSES = ("kl", "tv")
@@ -44,10 +47,10 @@ def guided_terms(t_logits: torch.Tensor, d_logits: torch.Tensor, cfg_scale: floa
 
 
 class DistillModule(L.LightningModule):
-    def __init__(self, net: nn.Module, backbone_dir: str, tokenizer_dir: str, lr: float = 1e-3,
+    def __init__(self, net: nn.Module, backbone_dir: str | None, tokenizer_dir: str | None, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1,
                  guided_weight: float = 0.0, guided_loss: str = "kl", cfg_scale: float = 2.0,
-                 rollout: int = 1, input_noise: float = 0.0):
+                 rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None):
         super().__init__()
         expect_float("module.lr", lr, 0.0)
         expect_float("module.kl_weight", kl_weight, 0.0)
@@ -57,15 +60,20 @@ class DistillModule(L.LightningModule):
         expect_int("module.rollout", rollout, 1)
         if guided_loss not in GUIDED_LOSSES:
             raise ValueError(f"module.guided_loss={guided_loss!r}: expected one of {GUIDED_LOSSES}")
+        if OmegaConf.is_config(generator):
+            generator = OmegaConf.to_container(generator, resolve=True)
+        if OmegaConf.is_config(net) or isinstance(net, dict):  # a config left unbuilt (module._recursive_=false)
+            net = build(OmegaConf.to_container(net, resolve=True) if OmegaConf.is_config(net) else net)
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         # The frozen teacher lives outside the module tree: never trained, never in a checkpoint.
-        backbone = load_shapes_generator(backbone_dir, tokenizer_dir)
+        backbone = build(generator) if generator else load_shapes_generator(backbone_dir, tokenizer_dir)
+        where = generator["weights_path"] if generator else backbone_dir
         if getattr(net, "hidden_size", backbone.hidden_size) != backbone.hidden_size:
-            raise ValueError(f"drafter.hidden_size={net.hidden_size} but the backbone at {backbone_dir!r} has width "
+            raise ValueError(f"drafter.hidden_size={net.hidden_size} but the backbone at {where!r} has width "
                              f"{backbone.hidden_size}: set drafter.hidden_size={backbone.hidden_size}")
         self.__dict__["backbone"] = backbone
-        self.backbone_id = weights_id(backbone_dir)
+        self.backbone_id = weights_part(backbone.identity) if generator else weights_id(backbone_dir)
 
     def setup(self, stage: str | None = None):
         self.backbone.to(self.device).eval()
@@ -80,8 +88,7 @@ class DistillModule(L.LightningModule):
                 for name in self.net.directions]
 
     def _visual(self, hidden: torch.Tensor) -> torch.Tensor:
-        g = self.backbone.grid
-        return self.backbone.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+        return self.backbone.visual_logits(hidden).float()
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         """(N, L, ...) teacher-layout tensor -> (N, H - 1, W, ...): at [r, c] the index of the state that
@@ -115,8 +122,8 @@ class DistillModule(L.LightningModule):
 
     def losses(self, batch) -> dict[str, torch.Tensor]:
         states = batch["states"].transpose(0, 1).flatten(0, 1)  # (2B, L, D): B conditional rows, then B unconditional
-        ids = batch["ids"].repeat(2, 1)  # (2B, L): the token each state predicts
-        embeds = self.backbone.embed(ids)
+        ids = batch["ids"].repeat(2, 1)  # (2B, L): the image token each state predicts
+        embeds = embed_image(self.backbone, ids).float()  # a real teacher runs in bf16; the drafter trains in fp32
         tokens_out = getattr(self.net, "predicts", "hidden") == "tokens"
         out, total = {}, 0.0
         for name, off in self.tasks():
@@ -153,6 +160,8 @@ class DistillModule(L.LightningModule):
         self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=len(batch["ids"]))
 
     def export_extra(self) -> dict:
+        if self.hparams.get("generator"):
+            return {"backbone_id": self.backbone_id, "weights_path": self.hparams.generator["weights_path"]}
         return {"backbone_id": self.backbone_id, "backbone_dir": self.hparams.backbone_dir}
 
     def configure_optimizers(self):

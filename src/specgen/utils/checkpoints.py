@@ -185,6 +185,9 @@ def _locate(path: str):
 
 def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu") -> torch.nn.Module:
     """Build the module from `dirpath/config.yaml` and load its weights (in eval mode)."""
+    if dirpath is None:
+        raise ValueError("no exported model folder given (dirpath is null): set it in the config, e.g. "
+                         "drafter_dir=<fphi_real run>/export for experiment=real_discrete")
     dirpath = Path(dirpath)
     hint = reproduce_hint(dirpath)
     if not (dirpath / "model.safetensors").is_file() or not (dirpath / "config.yaml").is_file():

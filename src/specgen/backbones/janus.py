@@ -1,0 +1,66 @@
+"""Janus-Pro (transformers' `JanusForConditionalGeneration`, e.g. deepseek-community/Janus-Pro-7B) behind the
+discrete protocol.
+
+Layout: `<bos><|User|>: prompt\\n\\n<|Assistant|>:<begin_of_image>`, then 24 x 24 visual codes in raster order with
+no row tokens (stride W). Image codes have their own embedding (`generation_embeddings` + `generation_aligner`) and
+head (`generation_head`, on the decoder's normed state), apart from the text vocabulary. The unconditional prompt is
+the conditional one with every token but the first and the last (begin-of-image) replaced by padding, so both
+branches have the same length.
+
+Settings of Janus-Pro's own generation example (deepseek-ai/Janus, `generation_inference.py`) and of transformers'
+`JanusForConditionalGeneration.generate`: 384 x 384 pixels (16x downsampling: 24 x 24 = 576 codes), CFG 5,
+temperature 1, no top-k.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoTokenizer, JanusForConditionalGeneration
+
+from specgen.backbones.hf import HFDiscreteBackbone, check_folder, folder_identity, resolve_device_dtype
+from specgen.backbones.protocol import Prompts, TokenGrid
+
+TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"  # the 'deepseek' SFT format with an empty system prompt
+BOI = "<begin_of_image>"
+
+
+class JanusBackbone(HFDiscreteBackbone):
+    def __init__(self, weights_path: str, device: str = "auto", dtype: str = "auto", template: str = TEMPLATE,
+                 cfg_scale: float = 5.0, top_k: int | None = None, temperature: float = 1.0):
+        path = check_folder(weights_path, "Janus-Pro")
+        dev, dt = resolve_device_dtype(device, dtype)
+        model = JanusForConditionalGeneration.from_pretrained(path, dtype=dt, attn_implementation="sdpa").to(dev)
+        self.__dict__["tokenizer"] = tok = AutoTokenizer.from_pretrained(path)
+        boi = tok.convert_tokens_to_ids(BOI)
+        if boi is None or boi == tok.unk_token_id:
+            raise ValueError(f"the tokenizer at {str(path)!r} has no {BOI!r} token: not a Janus checkpoint")
+        vq = model.model.vqmodel
+        side = int(vq.quantize.quant_state_dims[0])
+        grid = TokenGrid(height=side, width=side, prefix_len=0, visual_start=0,
+                         num_visual=model.config.vq_config.num_embeddings)
+        text = model.model.language_model
+        super().__init__(model, text, model.config.text_config, grid, folder_identity(path),
+                         max_positions=model.config.text_config.max_position_embeddings)
+        # the model's own generation recipe, read by decoding configs as ${generator.cfg_scale} etc.
+        self.recipe = {"cfg_scale": cfg_scale, "top_k": top_k, "temperature": temperature}
+        self.boi, self.template = boi, template
+
+    def prompts(self, texts: list[str]) -> Prompts:
+        tok = self.tokenizer
+        cond = tuple((*tok.encode(self.template.format(prompt=t)), self.boi) for t in texts)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else self.model.config.text_config.pad_token_id
+        uncond = tuple((c[0], *([pad] * (len(c) - 2)), c[-1]) for c in cond)  # padded, the same length
+        return Prompts(tuple(texts), cond, uncond, pad, self.device)
+
+    def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
+        m = self.model.model
+        return m.generation_aligner(m.generation_embeddings(codes))
+
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm, then the separate generation head."""
+        return self.model.model.generation_head(self.final_norm(hidden.to(self.dtype)))
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes (B, 24, 24) -> images (B, 3, 384, 384) in [0, 1] through Janus's VQ decoder."""
+        images = self.model.model.vqmodel.decode(codes.flatten(1))  # [-1, 1]
+        return ((images.float() + 1) / 2).clamp(0, 1)

@@ -1,0 +1,257 @@
+"""The Emu3, Lumina-mGPT (Chameleon) and Janus-Pro adapters on tiny random models of their transformers classes,
+saved with `save_pretrained` and loaded back from the folder: the protocol's contracts (cached = full forward, block
+verification with rollback, pre-norm states, forced tokens, padding) and every lossless decoder equal to greedy AR."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from specgen.backbones.chameleon_vqgan import ChameleonVQGANDecoder
+from specgen.backbones.emu3 import Emu3Backbone
+from specgen.backbones.janus import JanusBackbone
+from specgen.backbones.lumina import LuminaBackbone
+from specgen.backbones.protocol import DiscreteBackbone, embed_image, image_states
+from specgen.backbones.random_models import build_tiny, write_tiny_vqgan
+from specgen.decoding import ar, sjd, ssd
+from specgen.decoding.sampling import guide
+from specgen.drafters.fphi import FPhi
+
+PROMPTS = ["a red circle", "two blue squares left of a large green cross"]
+KINDS = ["emu3", "lumina_mgpt", "janus_pro"]
+CFG = 3.0  # Emu3's scale: two branches, padded jointly
+
+
+def load(kind: str, path) -> DiscreteBackbone:
+    if kind == "emu3":
+        return Emu3Backbone(str(path), tokens_per_side=4, device="cpu")
+    if kind == "lumina_mgpt":
+        return LuminaBackbone(str(path), resolution=64, vqgan_path=str(path / "vqgan"), device="cpu")
+    return JanusBackbone(str(path), device="cpu")
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def real(request, tmp_path_factory):
+    path = build_tiny(request.param, tmp_path_factory.mktemp(request.param), side=4, sharpen=3.0)
+    return request.param, path, load(request.param, path)
+
+
+def noisy_fphi(m):
+    torch.manual_seed(1)
+    d = FPhi(m.hidden_size, "xs")
+    for net in d.nets.values():
+        torch.nn.init.normal_(net[-1].weight, std=0.05)  # an imperfect drafter: many rejections
+    return d
+
+
+def test_cached_greedy_decoding_equals_the_full_forward(real):
+    kind, _, m = real
+    assert isinstance(m, DiscreteBackbone) and m.dtype == torch.float32 and m.device.type == "cpu"
+    p = m.prompts(PROMPTS)
+    rows = p.rows(True)
+    assert rows.padded  # prompts of different lengths (and Emu3's longer negative prompt): left padding
+    codes, st = ar.generate(m, p, cfg_scale=CFG, temperature=0)
+    assert len(torch.unique(codes)) > 3 and st["nfe"] == 16
+    states, tokens = image_states(m, rows, codes)  # one forward of the whole sequences
+    greedy = guide(m.visual_logits(states), CFG).argmax(-1)  # (B, L): what each state predicts
+    visual = tokens[:2] < m.grid.num_visual
+    assert torch.equal(greedy[visual].view(2, 4, 4), codes)
+    alone, _ = ar.generate(m, m.prompts(PROMPTS[1:]), cfg_scale=CFG, temperature=0)
+    assert torch.equal(alone[0], codes[1])  # padding is invisible: an image does not depend on its batch
+
+
+def test_block_verification_after_rollback_equals_a_fresh_forward(real):
+    kind, _, m = real
+    rows = m.prompts(PROMPTS).rows(True)
+    P = rows.length
+    g = m.grid.at(P)
+    tokens = g.image_tokens(torch.randint(0, g.num_visual, (2, 4, 4))).repeat(2, 1)  # (4, 4*stride)
+    embeds = torch.cat([m.embed_tokens(rows.ids), embed_image(m, tokens)], 1)
+    n = embeds.shape[1]
+    full = m.forward_embeds(embeds, torch.arange(n), m.new_cache(rows))
+    cache = m.new_cache(rows)
+    m.forward_embeds(embeds[:, :P + 6], torch.arange(P + 6), cache)
+    m.rollback(cache, P + 2)  # drop four drafted tokens ...
+    block = m.forward_embeds(embeds[:, P + 2:], torch.arange(P + 2, n), cache)  # ... and verify a block again
+    assert cache.get_seq_length() == n
+    assert torch.allclose(block, full[:, P + 2:], atol=1e-4)
+    with pytest.raises(ValueError, match="cannot roll a cache"):
+        m.rollback(cache, n + 1)
+
+
+def test_prenorm_state_is_the_final_norms_input_and_the_head_is_the_models(real):
+    kind, path, m = real
+    ids = torch.tensor([m.prompts(PROMPTS[:1]).cond[0]])
+    h = m.forward_embeds(m.embed_tokens(ids), torch.arange(ids.shape[1]), m.new_cache(m.prompts(PROMPTS[:1]).rows(False)))
+    fresh = load(kind, path)  # a second copy: hook its decoder's own final norm, as transformers runs it
+    seen = {}
+    norm = fresh.final_norm
+    handle = norm.register_forward_hook(lambda mod, args, out: seen.update(inp=args[0], out=out))
+    decoder = fresh.decoder
+    decoder.norm = norm  # put the norm back where the model has it
+    try:
+        out = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    finally:
+        decoder.norm = torch.nn.Identity()
+        handle.remove()
+    assert torch.allclose(seen["inp"], h, atol=1e-5) and torch.allclose(out, norm(h), atol=1e-5)
+    if kind == "janus_pro":
+        ref = fresh.model.model.generation_head(out)
+    else:  # the model's own head, at the vocabulary ids of the visual codes
+        ref = fresh.model.lm_head(out)[..., fresh.visual_ids]
+    assert torch.allclose(m.visual_logits(h), ref, atol=1e-4)
+
+
+def test_forced_tokens_and_prompt_headers_are_in_place(real):
+    kind, _, m = real
+    p = m.prompts(PROMPTS)
+    g = m.grid
+    if kind == "janus_pro":
+        assert g.eol_id is None and g.stride == g.width  # 24 x 24 codes, no row tokens
+        assert all(len(c) == len(u) and c[0] == u[0] and c[-1] == u[-1] == m.boi for c, u in zip(p.cond, p.uncond))
+        assert set(p.uncond[0][1:-1]) == {p.pad_id}
+        return
+    eol = m.tokenizer.convert_tokens_to_ids("<|extra_200|>" if kind == "emu3" else "<reserved08799>")
+    assert g.eol_id == eol and g.stride == g.width + 1
+    assert torch.equal(embed_image(m, torch.tensor([g.eol_token])), m.embed_tokens(torch.tensor([eol])))
+    tokens = g.image_tokens(torch.zeros(1, 4, 4, dtype=torch.long))
+    assert (tokens[0, g.width::g.stride] == g.eol_token).all()  # an end-of-row token after every row
+    if kind == "emu3":
+        header = m.tokenizer.encode("<|image start|>4*4<|image token|>", add_special_tokens=False)
+        assert all(c[-len(header):] == tuple(header) for c in p.cond + p.uncond)
+        seq = m.image_sequence(torch.zeros(2, 4, 4, dtype=torch.long))
+        assert (seq[:, 4:20:5] == eol).all() and seq[0, -3:].tolist() == list(m.tail)
+    else:
+        size = m.tokenizer.convert_tokens_to_ids("<reserved08802>")  # 64 pixels = two 32-pixel patches
+        assert all(c[-3:] == (m.tokenizer.convert_tokens_to_ids("<racm3:break>"), size, size) for c in p.cond)
+        assert p.uncond[0] == p.cond[0][-3:]  # Lumina's unconditional branch starts at begin-of-image
+
+
+def test_every_lossless_decoder_equals_greedy_ar(real):
+    kind, _, m = real
+    p = m.prompts(PROMPTS)
+    ref, _ = ar.generate(m, p, cfg_scale=CFG, temperature=0)
+    d = noisy_fphi(m)
+    runs = {"ssd": dict(rounds=4), "ssd_carry": dict(rounds=1, carry=True, max_window_rows=2),
+            "ssd_exact": dict(exact=True)}
+    for name, kw in runs.items():
+        out, _ = ssd.generate(m, p, d, cfg_scale=CFG, temperature=0, **kw)
+        assert torch.equal(out, ref), name
+    out, _ = sjd.generate(m, p, cfg_scale=CFG, temperature=0, window=4)
+    assert torch.equal(out, ref), "sjd"
+
+
+def test_decoding_to_pixels(real):
+    kind, _, m = real
+    images = m.decode(torch.randint(0, m.grid.num_visual, (2, 4, 4)))
+    side = {"emu3": 8, "lumina_mgpt": 64, "janus_pro": 8}[kind]  # tiny VQ models: x2, x16 (as released), x2
+    assert images.shape == (2, 3, side, side) and 0 <= float(images.min()) and float(images.max()) <= 1
+
+
+def test_chameleon_vqgan_loads_the_released_format(tmp_path):
+    net = write_tiny_vqgan(tmp_path / "vq", codes=16)
+    loaded = ChameleonVQGANDecoder.from_release(tmp_path / "vq")
+    codes = torch.randint(0, 16, (2, 3, 3))
+    with torch.no_grad():
+        assert torch.equal(loaded(codes), net(codes))
+    assert loaded(codes).shape == (2, 3, 48, 48)  # 16x, as the release's five levels
+    state = torch.load(tmp_path / "vq" / "vqgan.ckpt", weights_only=False)
+    del state["state_dict"]["decoder.conv_out.weight"]
+    torch.save(state, tmp_path / "vq" / "vqgan.ckpt")
+    with pytest.raises(ValueError, match="lacks 1 decoder weights"):
+        ChameleonVQGANDecoder.from_release(tmp_path / "vq")
+    with pytest.raises(FileNotFoundError, match="vqgan.yaml and vqgan.ckpt"):
+        ChameleonVQGANDecoder.from_release(tmp_path / "nowhere")
+
+
+def test_bad_folders_name_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no Emu3-Gen checkpoint at '.*nothing'.*generator.weights_path"):
+        Emu3Backbone(str(tmp_path / "nothing"), device="cpu")
+    with pytest.raises(ValueError, match="generator.weights_path is not set"):
+        JanusBackbone("???", device="cpu")
+
+
+def test_geneval_metadata_honours_prompts_per_task(tmp_path):
+    import json
+
+    from specgen.evaluation.benchmarks import GenEval
+
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    rows = [{"tag": t, "include": [{"class": "dog", "count": 1}], "prompt": f"{t} {i}"}
+            for t in ("single_object", "counting") for i in range(5)]
+    meta.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(GenEval(metadata_file=str(meta), prompts_per_task=None).metadata()) == 10
+    sub = GenEval(metadata_file=str(meta), prompts_per_task=2).metadata()
+    assert [m["prompt"] for m in sub] == ["single_object 0", "single_object 1", "counting 0", "counting 1"]
+
+
+def test_real_discrete_decodes_every_strategy_into_a_geneval_folder(tmp_path):
+    """The eval command of a real backbone on a tiny Emu3 folder: AR, SSD, SJD and ZipAR on an official-format prompt
+    file, images in GenEval's layout, the flat speed keys, scoring skipped without a detector."""
+    import json
+
+    from helpers import compose_cfg
+    from specgen.eval import evaluate as run_eval
+    from specgen.utils.checkpoints import export
+
+    path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
+    identity = load("emu3", path).identity
+    fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs", "backbone_id": identity}
+    export(tmp_path / "fphi", FPhi(64, "xs", backbone_id=identity), fphi_cfg)
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    meta.write_text("".join(json.dumps({"tag": t, "include": [{"class": "dog", "count": 1}], "prompt": p}) + "\n"
+                            for t, p in [("single_object", "a photo of a dog"), ("counting", "two red circles")]))
+    cfg = compose_cfg("eval", ["experiment=real_discrete", "generator=emu3", f"generator.weights_path={path}",
+                               "generator.tokens_per_side=4", "generator.device=cpu", f"drafter_dir={tmp_path / 'fphi'}",
+                               f"benchmark.prompts_path={meta}", "benchmark.geneval.samples_per_prompt=1",
+                               "speed.num_prompts=2", "logger=csv"], tmp_path)
+    metrics = run_eval(cfg)
+    out = Path(cfg.paths.output_dir)
+    for name in ("ar", "ssd", "sjd", "zipar"):
+        for key in ("nfe", "nfe_ratio", "latency_s", "wall_ratio"):
+            assert f"{name}/speed/{key}" in metrics, (name, key)
+    assert metrics["ar/speed/nfe"] == 16 and metrics["ar/speed/nfe_ratio"] == 1.0
+    folder = out / "geneval_samples" / "00001"
+    assert json.loads((folder / "metadata.jsonl").read_text())["prompt"] == "two red circles"
+    assert (folder / "samples" / "0000.png").is_file() and not any("geneval/overall" in k for k in metrics)
+
+
+def test_fphi_real_distils_from_a_prompt_file_and_its_export_refuses_another_backbone(tmp_path):
+    """The train command of a real backbone on a tiny Janus folder: teacher shards sampled from a prompt file, a few
+    steps of the distillation module, an export that records the weights and that SSD refuses on other weights."""
+    from helpers import compose_cfg
+    from specgen.train import train
+    from specgen.utils.checkpoints import load_exported
+
+    path = build_tiny("janus_pro", tmp_path / "janus", side=4, sharpen=3.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares\na green cross\n")
+    cfg = compose_cfg("train", ["experiment=fphi_real", "generator=janus_pro", f"generator.weights_path={path}",
+                                "generator.device=cpu", f"data.prompts_path={prompts}", "trainer.max_steps=3",
+                                "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "drafter.hidden_size=64",
+                                "data.train_shards=1", "data.shard_size=4", "data.sample_batch=4", "data.batch_size=2",
+                                "num_threads=1", "logger=csv"], tmp_path)
+    metrics = train(cfg)
+    assert metrics["train/loss"] > 0
+    export = Path(cfg.paths.output_dir) / "export"
+    d = load_exported(export)
+    m = load("janus_pro", path)
+    assert d.backbone_id == m.identity
+    ref, _ = ar.generate(m, m.prompts(PROMPTS), cfg_scale=CFG, temperature=0)
+    assert torch.equal(ssd.generate(m, m.prompts(PROMPTS), d, cfg_scale=CFG, temperature=0, rounds=4)[0], ref)
+    other = load("janus_pro", build_tiny("janus_pro", tmp_path / "other", side=4, seed=1))
+    with pytest.raises(ValueError, match="distilled from backbone weights"):
+        ssd.generate(other, other.prompts(PROMPTS), d, temperature=0)
+
+
+def test_the_gpu_timing_script_runs_at_tiny_sizes_on_cpu(tmp_path):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "real_backbones" / "time_steps.py"
+    spec = importlib.util.spec_from_file_location("time_steps", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results = mod.main(["--tiny", "--out", str(tmp_path), "--repeats", "2", "--pass-ratio", "4"])
+    assert set(results) == {"emu3", "lumina_mgpt", "janus_pro"}
+    assert all(r["t_1"] > 0 and set(r["t_row"]) == {"4", "8"} for r in results.values())
+    md = (tmp_path / "speedup.md").read_text()
+    assert md.count("| emu3 |") == 2 and "speed-up at r=4" in md
