@@ -79,3 +79,6 @@ def test_gpu_check_runs_in_its_tiny_cpu_mode(tmp_path):
     # more acceptance, more steps committed per round, a larger lossless projection
     assert row["accept_0.9"]["lossless_steps_per_round"] > row["accept_0.3"]["lossless_steps_per_round"]
     assert row["accept_0.9"]["lossless_speedup"] > row["accept_0.3"]["lossless_speedup"]
+    xar = continuous_check.main(["--tiny", "--family", "xar", "--batches", "2", "--out", str(tmp_path / "xar")])
+    assert xar["family"] == "xar" and xar["num_iter"] == 4 and xar["head_steps"] == 10
+    assert xar["batches"][2]["target"]["tokens_per_step"] == 1 and xar["batches"][2]["target"]["head_s"] > 0
