@@ -4,8 +4,8 @@ call) and of the head's chains for the step's tokens (100 DDPM steps), at severa
 CSpD speed-up these costs project for a given acceptance. `--family xar`: xAR-L- and xAR-B-shaped models, 4
 cells, 50 flow steps; there the transformer is the flow network, so a step's "transformer call" does no work
 and the "head" is the network run on context + cell at every flow step (as written here: the release caches
-the context's keys and values, this recomputes them). Under these definitions the target's own chain for a
-drafted cell (paper ratio) costs what target-only sampling costs: the projection shows it.
+the context's keys and values, this recomputes them). The projection adds the target's chain cost per drafted
+step, so on xAR it does not credit running the chains of a round's drafted cells side by side.
 
 * paper (joint verification, per-token acceptance): every drafted step is committed, so the projection
   does not depend on acceptance; per image a round of gamma steps costs gamma draft steps, one target
