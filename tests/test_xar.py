@@ -167,6 +167,9 @@ def test_a_tiny_pair_runs_cspd_and_decodes(tmp_path):
     assert torch.equal(t.cells(t.latents(cells)), cells)  # cells <-> raster latents
     lat = t.latents(cells)  # cell 1 (top right) token (0, 1) is latent (row 0, column 3)
     assert torch.equal(lat[:, 3], cells[:, 1, 3:6])
+    net = XAR(**TINY).train()  # the flow-matching loss trains every parameter but the fixed tables
+    net(t.latents(cells), torch.tensor([1, 9])).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.parameters())
     with pytest.raises(ValueError, match="is not an xAR over the target's cells"):
         cspd.generate(t, [1], make_rngs([0]), XAR(**{**TINY, "unit_size": 1}), num_iter=4, verify="stepwise")
 
