@@ -1,5 +1,5 @@
-"""experiment=real_continuous on tiny random MAR releases (the command shape of a GPU run with real weights), the
-class-conditional FID against reference statistics, and the GPU check script's CPU mode."""
+"""experiment=real_continuous on tiny random MAR and xAR releases (the command shape of a GPU run with real weights),
+the class-conditional FID against reference statistics, and the GPU check script's CPU mode."""
 import json
 import sys
 from pathlib import Path
@@ -12,6 +12,7 @@ from helpers import compose_cfg
 from specgen.evaluation.fidelity import fidelity_to_statistics, reference_statistics
 from specgen.evaluation.runner import run
 from test_mar_release import kl16_state_dict, mar_state_dict, save_release
+from test_xar import xar_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "real_backbones"))
@@ -38,6 +39,25 @@ def test_real_continuous_runs_on_tiny_releases_with_the_flat_metric_keys(tmp_pat
     assert saved["cspd/speed/nfe"] == pytest.approx(metrics["cspd/speed/nfe"])
 
 
+def test_real_continuous_runs_on_tiny_xar_releases(tmp_path):
+    torch.save(xar_state_dict(seed=0), tmp_path / "xAR-L.pth")
+    torch.save(xar_state_dict(D=16, enc=1, dec=1, seed=1), tmp_path / "xAR-B.pth")
+    torch.save({"model": kl16_state_dict(mults=(1, 2, 2), z=3)}, tmp_path / "kl16.ckpt")
+    shape = ["grid_size=4", "unit_size=2", "token_dim=3", "num_classes=10", "sample_steps=4"]
+    cfg = compose_cfg("eval", [
+        "experiment=real_continuous", "generator=xar", "mar_pair=xar_b_l",
+        f"generator.weights_path={tmp_path / 'xAR-L.pth'}", f"generator.vae_path={tmp_path / 'kl16.ckpt'}",
+        "generator.sizes=[32,2,1,4]", "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
+        *[f"generator.{s}" for s in shape], f"mar_pair.draft_path={tmp_path / 'xAR-B.pth'}",
+        "mar_pair.draft.sizes=[16,1,1,4]", "benchmark=none", "logger=none", "speed.batch_sizes=[2]",
+        "speed.num_prompts=2", "speed.prompts=[3,7]"], tmp_path)
+    assert cfg.strategies.cspd.fn.verify == "stepwise" and cfg.strategies.target.fn.cfg_schedule == "linear_steps"
+    metrics = run(cfg)
+    for name in ("target", "cspd", "cspd_lossless"):
+        assert metrics[f"{name}/speed/nfe"] > 0 and f"{name}/speed/wall_ratio_bs2" in metrics, name
+    assert metrics["target/speed/nfe"] == 4 and 0 <= metrics["cspd/accept_rate"] <= 1
+
+
 def test_class_fidelity_against_reference_statistics(tmp_path):
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(12)]
@@ -59,3 +79,6 @@ def test_gpu_check_runs_in_its_tiny_cpu_mode(tmp_path):
     # more acceptance, more steps committed per round, a larger lossless projection
     assert row["accept_0.9"]["lossless_steps_per_round"] > row["accept_0.3"]["lossless_steps_per_round"]
     assert row["accept_0.9"]["lossless_speedup"] > row["accept_0.3"]["lossless_speedup"]
+    xar = continuous_check.main(["--tiny", "--family", "xar", "--batches", "2", "--out", str(tmp_path / "xar")])
+    assert xar["family"] == "xar" and xar["num_iter"] == 4 and xar["head_steps"] == 10
+    assert xar["batches"][2]["target"]["tokens_per_step"] == 1 and xar["batches"][2]["target"]["head_s"] > 0

@@ -1,6 +1,6 @@
 """Target-only sampling of a continuous backbone (`backbones.continuous.ContinuousBackbone`): MAR's sampler
 for MAR and Harmon (random order, cosine schedule), next-X for xAR (the backbone's plan says which tokens a
-step fills), with classifier-free guidance (constant or linear schedule) and noise temperature; each token
+step fills), with classifier-free guidance (constant or linear schedules) and noise temperature; each token
 drawn by the backbone's chain of Gaussian transitions.
 
 Every token owns its noise (initial latent and per-step noise), drawn up front from its image's
@@ -8,8 +8,9 @@ generator, so a token's noise does not depend on when or by which model it is ge
 what aligns draft and target trajectories in CSpD, and makes runs reproducible per image.
 
 The linear guidance schedule is MAR's: the scale of a step is 1 + (cfg - 1) x (tokens known after the
-step) / L. `ddim_tail` > 0 (not MAR's sampler; the baseline of CSpD's deterministic-tail variant)
-makes the last `ddim_tail` stochastic denoising steps deterministic (DDIM steps for a DDPM head).
+step) / L; `linear_steps` is xAR's: 1 + (cfg - 1) x j / (n - 1) for step j of the plan's n. `ddim_tail` > 0
+(not MAR's sampler; the baseline of CSpD's deterministic-tail variant) makes the last `ddim_tail` stochastic
+denoising steps deterministic (DDIM steps for a DDPM head, Euler steps of the probability-flow ODE for xAR).
 
 Work is counted as it is done (`Work`): transformer calls, transformer rows (one image's context,
 CFG branches counted) and head rows (one token at one denoising step, CFG branches counted).
@@ -38,13 +39,24 @@ def token_noise(rngs, seq_len: int, steps: int, dim: int, device) -> torch.Tenso
     return torch.stack([torch.randn(seq_len, steps + 1, dim, generator=g, device=device) for g in rngs])
 
 
-def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int) -> float:
-    """Guidance scale of a step that ends with `known_after` tokens known (MAR's linear schedule, or constant)."""
+CFG_SCHEDULES = ("linear", "constant", "linear_steps")
+
+
+def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int, schedule: list[int] | None = None
+           ) -> float:
+    """Guidance scale of a step that ends with `known_after` tokens known: MAR's linear schedule (from the tokens
+    known after the step), constant, or `linear_steps` (xAR's: 1 at the first of the plan's steps `schedule`,
+    cfg_scale at the last, linear in the step index)."""
     if cfg_schedule == "constant":
         return cfg_scale
     if cfg_schedule == "linear":
         return 1 + (cfg_scale - 1) * known_after / seq_len
-    raise ValueError(f"unknown cfg_schedule {cfg_schedule!r}: expected 'linear' or 'constant'")
+    if cfg_schedule == "linear_steps":
+        if schedule is None:
+            raise ValueError("cfg_schedule='linear_steps' needs the plan's schedule (tokens known after each step)")
+        step, steps = schedule.index(known_after), len(schedule)
+        return cfg_scale if steps == 1 else 1 + (cfg_scale - 1) * step / (steps - 1)
+    raise ValueError(f"unknown cfg_schedule {cfg_schedule!r}: expected one of {CFG_SCHEDULES}")
 
 
 def cfg_branches(cfg_scale: float) -> int:
@@ -117,7 +129,7 @@ def mar_step(model, st: MARState, conds, target_known: int, cfg_scale: float, cf
     Returns (index of the new tokens, their chain, their conditions (z_cond, z_uncond, scale))."""
     tokens = st.tokens if tokens is None else tokens
     known = st.known if known is None else known
-    scale = cfg_at(cfg_scale, cfg_schedule, target_known, st.L)
+    scale = cfg_at(cfg_scale, cfg_schedule, target_known, st.L, st.schedule)
     zc, zu = step_conditions(model, tokens, (st.rank >= known).float(), conds, cfg_scale != 1.0, work)
     idx = st.span(known, target_known)
     z = (zc[idx], None if zu is None else zu[idx], scale)
