@@ -255,3 +255,56 @@ def test_the_gpu_timing_script_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert all(r["t_1"] > 0 and set(r["t_row"]) == {"4", "8"} for r in results.values())
     md = (tmp_path / "speedup.md").read_text()
     assert md.count("| emu3 |") == 2 and "speed-up at r=4" in md
+
+
+def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(tmp_path, capsys, monkeypatch):
+    """data.stream=true on a tiny Emu3 folder: the shards hold the sampled tokens only, the module's frozen backbone
+    recomputes the states, and a training step sees the same batches and losses as the in-memory shards (up to their
+    fp16 rounding); the size estimate is printed before sampling and a deleted shard alone is written again."""
+    import numpy as np
+
+    from specgen.modules.distill_data import DistillDataModule
+    from specgen.modules.distill_module import DistillModule
+
+    path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares left of a large green cross\na green cross\n")
+    gen = {"_target_": "specgen.backbones.emu3.Emu3Backbone", "weights_path": str(path), "tokens_per_side": 4,
+           "device": "cpu"}
+    kw = dict(backbone_dir=None, tokenizer_dir=None, cache_dir=str(tmp_path / "cache"), train_shards=2, val_shards=1,
+              shard_size=3, sample_batch=2, cfg_scale=CFG, top_k=8, batch_size=2, generator=gen,
+              prompts_path=str(prompts))
+    dms = {}
+    for stream in (False, True):
+        dms[stream] = DistillDataModule(**kw, stream=stream)
+        dms[stream].prepare_data()
+        dms[stream].setup()
+    printed = capsys.readouterr().out
+    assert "MB a sequence in fp16, are recomputed" in printed and "training loads all 9 sequences" in printed
+    streamed = np.load(dms[True].shard_path("train", 1))
+    assert set(streamed.files) == {"codes", "ids", "prompts"} and streamed["codes"].shape == (3, 4, 4)
+    torch.manual_seed(0)
+    module = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG).eval()
+    batches = {}
+    for stream, dm in dms.items():
+        torch.manual_seed(3)  # the same shuffle for both
+        batches[stream] = list(dm.train_dataloader())
+    assert len(batches[True]) == 3
+    for full, lazy in zip(batches[False], batches[True]):
+        assert torch.equal(full["ids"], lazy["ids"])
+        states = module.batch_states(lazy)
+        assert torch.allclose(states, module.batch_states(full), rtol=2e-3, atol=2e-3)  # fp16 shards
+        with torch.no_grad():
+            a, b = module.losses(full), module.losses(lazy)
+        assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a), {k: (a[k], b[k]) for k in a}
+    # resumable: a missing shard is written again, alone, with the same tokens
+    before = {k: streamed[k].copy() for k in streamed.files}
+    dms[True].shard_path("train", 1).unlink()
+    written = []
+    original = DistillDataModule._write_shard
+    monkeypatch.setattr(DistillDataModule, "_write_shard",
+                        lambda self, bb, split, k, dev="cpu": written.append((split, k)) or original(self, bb, split, k, dev))
+    dms[True].prepare_data()
+    assert written == [("train", 1)] and "2 of 3 already written" in capsys.readouterr().out
+    again = np.load(dms[True].shard_path("train", 1))
+    assert all(np.array_equal(before[k], again[k]) for k in before)
