@@ -302,15 +302,19 @@ def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(t
     dms[True].shard_path("train", 1).unlink()
     written = []
     original = DistillDataModule._write_shard
-    monkeypatch.setattr(DistillDataModule, "_write_shard",
-                        lambda self, bb, split, k, dev="cpu": written.append((split, k)) or original(self, bb, split, k, dev))
+    def counted(self, bb, split, k, dev="cpu"):
+        written.append((split, k))
+        return original(self, bb, split, k, dev)
+
+    monkeypatch.setattr(DistillDataModule, "_write_shard", counted)
     dms[True].prepare_data()
     assert written == [("train", 1)] and "2 of 3 already written" in capsys.readouterr().out
     again = np.load(dms[True].shard_path("train", 1))
     assert all(np.array_equal(before[k], again[k]) for k in before)
 
 
-DPG_HEADER = "item_id,text,keywords,proposition_id,dependency,category_broad,category_detailed,tuple,question_natural_language\n"
+DPG_HEADER = ("item_id,text,keywords,proposition_id,dependency,category_broad,category_detailed,tuple,"
+              "question_natural_language\n")
 
 
 def _dpg_files(tmp_path):

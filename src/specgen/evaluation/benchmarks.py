@@ -127,6 +127,11 @@ def score_grids(name: str, grids: list[tuple[dict, int, np.ndarray]], questions,
     return dpg_bench.summarize(scores, cats, failed), rows
 
 
+def grids_of(jobs: list[Job], images) -> list[tuple[dict, int, np.ndarray]]:
+    """(meta, seed, 2x2 grid) per prompt of jobs that come 4 per prompt, tiles in sample order."""
+    return [(jobs[i].meta, jobs[i].seed, dpg_bench.make_grid(list(images[i:i + 4]))) for i in range(0, len(jobs), 4)]
+
+
 class DPGBench:
     """DPG-Bench on held-out dense shapes prompts: 4 samples per prompt as one 2x2 grid, oracle VQA."""
 
@@ -143,7 +148,7 @@ class DPGBench:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        grids = [(jobs[i].meta, jobs[i].seed, dpg_bench.make_grid(list(images[i:i + 4]))) for i in range(0, len(jobs), 4)]
+        grids = grids_of(jobs, images)
         return score_grids(self.name, grids, dpg_bench.shapes_questions, self.vqa, self.mode)
 
 
@@ -169,7 +174,7 @@ class DPGBenchFolder:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        grids = [(jobs[i].meta, jobs[i].seed, dpg_bench.make_grid(list(images[i:i + 4]))) for i in range(0, len(jobs), 4)]
+        grids = grids_of(jobs, images)
         if self.layout_dir is not None:
             folder = Path(self.layout_dir)
             folder.mkdir(parents=True, exist_ok=True)

@@ -220,7 +220,8 @@ class DistillDataModule(L.LightningDataModule):
                                        rngs=make_rngs([h.seed * 7_919 + base + i for i in range(n)], device),
                                        static_cache=True)  # same tokens, about 3x faster
             if h.get("stream"):  # tokens only: the training module recomputes the states
-                ids.append(backbone.grid.at(0).image_tokens(codes)[:, :image_states_len(backbone.grid)].int().cpu().numpy())
+                tokens = backbone.grid.at(0).image_tokens(codes)  # (n, H*stride): what the states would predict
+                ids.append(tokens[:, :image_states_len(backbone.grid)].int().cpu().numpy())
                 all_codes.append(codes.int().cpu().numpy())
                 texts += list(cond.texts)
                 continue
