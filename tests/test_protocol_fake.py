@@ -198,3 +198,16 @@ def test_target_states_are_kept_for_a_few_rows_on_emu3s_layout():
         assert codes.shape == (1, 90, 90) and int(codes.max()) < 16
         dense = m.grid.height * stride
         assert st["state_slots"] <= 4 * stride, (kw, st["state_slots"], dense)  # a few rows of 91 slots, not 8190
+
+
+def test_sjd_keeps_target_distributions_for_its_window_on_emu3s_layout():
+    """Emu3's grid (90 x 90 codes + end-of-line) at a tiny width: SJD holds the target distributions of its Jacobi
+    window (at most twice window + 1 indices: the buffer grows by doubling), not (B, 8100, V); at Emu3's 32768 codes
+    that is 4.5 MB instead of 1.06 GB per image."""
+    m = FakeBackbone(eol=True, height=90, width=90, codes=16, hidden=8)
+    window = 16  # SJD's default
+    codes, st = sjd.generate(m, m.prompts(PROMPTS[:1]), cfg_scale=3.0, rngs=make_rngs([0]), window=window,
+                             init="vertical")
+    assert codes.shape == (1, 90, 90) and int(codes.max()) < 16
+    assert window + 1 <= st["dist_slots"] <= 2 * (window + 1), st["dist_slots"]  # of 8100 indices
+    assert st["state_slots"] <= 4 * m.grid.stride, st["state_slots"]

@@ -255,3 +255,159 @@ def test_the_gpu_timing_script_runs_at_tiny_sizes_on_cpu(tmp_path):
     assert all(r["t_1"] > 0 and set(r["t_row"]) == {"4", "8"} for r in results.values())
     md = (tmp_path / "speedup.md").read_text()
     assert md.count("| emu3 |") == 2 and "speed-up at r=4" in md
+
+
+def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(tmp_path, capsys, monkeypatch):
+    """data.stream=true on a tiny Emu3 folder: the shards hold the sampled tokens only, the module's frozen backbone
+    recomputes the states, and a training step sees the same batches and losses as the in-memory shards (up to their
+    fp16 rounding); the size estimate is printed before sampling and a deleted shard alone is written again."""
+    import numpy as np
+
+    from specgen.modules.distill_data import DistillDataModule
+    from specgen.modules.distill_module import DistillModule
+
+    path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\ntwo blue squares left of a large green cross\na green cross\n")
+    gen = {"_target_": "specgen.backbones.emu3.Emu3Backbone", "weights_path": str(path), "tokens_per_side": 4,
+           "device": "cpu"}
+    kw = dict(backbone_dir=None, tokenizer_dir=None, cache_dir=str(tmp_path / "cache"), train_shards=2, val_shards=1,
+              shard_size=3, sample_batch=2, cfg_scale=CFG, top_k=8, batch_size=2, generator=gen,
+              prompts_path=str(prompts))
+    dms = {}
+    for stream in (False, True):
+        dms[stream] = DistillDataModule(**kw, stream=stream)
+        dms[stream].prepare_data()
+        dms[stream].setup()
+    printed = capsys.readouterr().out
+    assert "MB a sequence in fp16, are recomputed" in printed and "training loads all 9 sequences" in printed
+    streamed = np.load(dms[True].shard_path("train", 1))
+    assert set(streamed.files) == {"codes", "ids", "prompts"} and streamed["codes"].shape == (3, 4, 4)
+    torch.manual_seed(0)
+    module = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG).eval()
+    batches = {}
+    for stream, dm in dms.items():
+        torch.manual_seed(3)  # the same shuffle for both
+        batches[stream] = list(dm.train_dataloader())
+    assert len(batches[True]) == 3
+    for full, lazy in zip(batches[False], batches[True]):
+        assert torch.equal(full["ids"], lazy["ids"])
+        states = module.batch_states(lazy)
+        assert torch.allclose(states, module.batch_states(full), rtol=2e-3, atol=2e-3)  # fp16 shards
+        with torch.no_grad():
+            a, b = module.losses(full), module.losses(lazy)
+        assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a), {k: (a[k], b[k]) for k in a}
+    # resumable: a missing shard is written again, alone, with the same tokens
+    before = {k: streamed[k].copy() for k in streamed.files}
+    dms[True].shard_path("train", 1).unlink()
+    written = []
+    original = DistillDataModule._write_shard
+    def counted(self, bb, split, k, dev="cpu"):
+        written.append((split, k))
+        return original(self, bb, split, k, dev)
+
+    monkeypatch.setattr(DistillDataModule, "_write_shard", counted)
+    dms[True].prepare_data()
+    assert written == [("train", 1)] and "2 of 3 already written" in capsys.readouterr().out
+    again = np.load(dms[True].shard_path("train", 1))
+    assert all(np.array_equal(before[k], again[k]) for k in before)
+
+
+DPG_HEADER = ("item_id,text,keywords,proposition_id,dependency,category_broad,category_detailed,tuple,"
+              "question_natural_language\n")
+
+
+def _dpg_files(tmp_path):
+    """A DPG-Bench prompt folder (two items) and question file in the official formats."""
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a red circle above two blue squares\n")
+    (folder / "b.txt").write_text("a green cross\n")
+    rows = [("a", 1, "0", "entity - whole (circle)"), ("a", 2, "1", "attribute - color (circle, red)"),
+            ("a", 3, "2", "attribute - texture (circle, red, shiny)"), ("a", 4, "0", "entity - whole (square)"),
+            ("b", 1, "0", "entity - whole (cross)"), ("b", 2, "1", "attribute - color (cross, green)")]
+    csv = tmp_path / "dpg_bench.csv"
+    csv.write_text(DPG_HEADER + "".join(f'{i},t,k,{q},"{d}",x,y,"{t}",question {q}?\n' for i, q, d, t in rows))
+    return folder, csv
+
+
+class TileVQA:
+    """A stand-in VQA model: finds which generated image a crop is, records it, and answers "no" to chosen
+    (image, question id) pairs, "yes" to the rest."""
+
+    def __init__(self, images, no: set[tuple[int, int]]):
+        self.images, self.no, self.seen = images, no, []
+
+    def answer(self, tile, question) -> str:
+        k = [i for i, im in enumerate(self.images) if im.shape == tile.shape and (im == tile).all()]
+        assert len(k) == 1, "a crop is not exactly one generated image: the grid is padded or misplaced"
+        self.seen.append((k[0], question.qid))
+        return "no" if (k[0], question.qid) in self.no else "yes"
+
+
+def test_dpg_bench_folder_scores_real_backbone_grids_by_the_dpg_rules(tmp_path):
+    """DPG-Bench's prompt folder on a tiny Emu3: 4 samples per prompt written as <item_id>.png, a 2x2 grid without
+    padding in sample order, every crop asked every question, failed parents zeroing their descendants."""
+    import functools
+
+    import numpy as np
+    from PIL import Image
+
+    from specgen.evaluation.benchmarks import DPGBenchFolder, real_dpg
+    from specgen.evaluation.dpg_bench import read_questions
+    from specgen.evaluation.generate import generate_images
+
+    m = load("emu3", build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=1.0))  # a flat head: 8 distinct images
+    folder, csv = _dpg_files(tmp_path)
+    bench = DPGBenchFolder(str(folder), read_questions(csv), None, layout_dir=str(tmp_path / "grids"))
+    jobs = bench.jobs(seed=0)
+    assert [(j.meta["item_id"], j.sample) for j in jobs] == [(i, k) for i in "ab" for k in range(4)]
+    images, _ = generate_images(jobs, m, functools.partial(ar.generate, cfg_scale=CFG), tmp_path / "cache", 4)
+    assert len({im.tobytes() for im in images}) == 8 and images[0].shape == (8, 8, 3)
+    # item a: crop 0 fails question 1 (so 2 and 3, transitively), crop 1 fails question 2 (so 3); item b: crop 2
+    # (image 6) fails question 1 (so 2)
+    bench.vqa = TileVQA(images, no={(0, 1), (1, 2), (6, 1)})
+    scores, rows = bench.score(jobs, images)
+    a, b = (1 / 4 + 2 / 4 + 1 + 1) / 4, (1 + 1 + 0 + 1) / 4
+    assert scores["overall"] == pytest.approx(100 * (a + b) / 2) and scores["num_failed"] == 0
+    assert [r["correct"] for r in rows] == pytest.approx([a, b])
+    assert [k for k, _ in bench.vqa.seen] == [k for k in range(8) for _ in range(4 if k < 4 else 2)]  # crop order
+    grid = np.asarray(Image.open(tmp_path / "grids" / "a.png"))
+    assert grid.shape == (16, 16, 3) and (grid[:8, 8:] == images[1]).all() and (grid[8:, :8] == images[2]).all()
+    # an item without questions is counted as failed, not dropped
+    bench.questions = {"a": bench.questions["a"]}
+    assert bench.score(jobs, images)[0]["num_failed"] == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=r"prompt folder '.*empty' holds no <item_id>.txt files"):
+        real_dpg(str(empty))
+    with pytest.raises(ValueError, match="benchmark.prompts_path is not set"):
+        real_dpg(None)
+    with pytest.raises(ValueError, match=r"needs both benchmark.vqa_path \('v'\) and benchmark.questions_path"):
+        real_dpg(str(folder), vqa_path="v")
+
+
+def test_real_discrete_writes_dpg_bench_grids_and_skips_scoring_without_a_vqa_model(tmp_path):
+    """The eval command with benchmark=dpg_real on a tiny Emu3 folder: DPG-Bench's prompt folder, the official grids,
+    the flat speed keys, no DPG score without local VQA weights."""
+    from PIL import Image
+
+    from helpers import compose_cfg
+    from specgen.eval import evaluate as run_eval
+    from specgen.utils.checkpoints import export
+
+    path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
+    identity = load("emu3", path).identity
+    fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs", "backbone_id": identity}
+    export(tmp_path / "fphi", FPhi(64, "xs", backbone_id=identity), fphi_cfg)
+    folder, _ = _dpg_files(tmp_path)
+    cfg = compose_cfg("eval", ["experiment=real_discrete", "benchmark=dpg_real", "generator=emu3",
+                               f"generator.weights_path={path}", "generator.tokens_per_side=4", "generator.device=cpu",
+                               f"drafter_dir={tmp_path / 'fphi'}", f"benchmark.prompts_path={folder}",
+                               "benchmark.dpg.num_prompts=1", "speed.num_prompts=1", "~strategies.zipar", "logger=csv"],
+                      tmp_path)
+    metrics = run_eval(cfg)
+    assert {"ar/speed/nfe", "ssd/speed/nfe_ratio", "sjd/speed/wall_ratio"} <= set(metrics)
+    assert not any("/dpg/" in k for k in metrics)
+    grids = sorted((Path(cfg.paths.output_dir) / "dpg_samples").iterdir())
+    assert [g.name for g in grids] == ["a.png"] and Image.open(grids[0]).size == (16, 16)

@@ -320,3 +320,24 @@ def test_window_bound_keeps_greedy_equality_and_batch_invariance():
         assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
     with pytest.raises(ValueError, match="max_window_rows"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)
+
+
+def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds():
+    """tests/fixtures/sjd_reference.pt was written by make_sjd_reference.py with SJD keeping dense (B, N, V) target
+    distributions; SJD now keeps them for the Jacobi window only and must sample the same tokens with the same passes
+    and acceptances on the shipped backbone."""
+    import sys
+    from pathlib import Path
+
+    fixtures = Path(__file__).resolve().parent / "fixtures"
+    sys.path.insert(0, str(fixtures))
+    try:
+        from make_sjd_reference import CASES, backbone, run_case
+    finally:
+        sys.path.remove(str(fixtures))
+    ref = torch.load(fixtures / "sjd_reference.pt", weights_only=True)
+    m = backbone()
+    for name, options in CASES:
+        codes, nfe, accepted = run_case(m, options)
+        assert torch.equal(codes, ref[name]["codes"]), name
+        assert nfe == int(ref[name]["nfe"]) and torch.equal(accepted, ref[name]["accepted_drafts"]), name

@@ -3,18 +3,22 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 from specgen.evaluation import dpg_bench
 from specgen.evaluation.clipscore import clip_score, cosines, load_clip
 from specgen.evaluation.generate import Job, job_seed
 from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evaluate, read_metadata, summarize,
                                         write_official_layout)
-from specgen.evaluation.real_models import OpenClipColorClassifier, TransformersDetector
+from specgen.evaluation.real_models import OpenClipColorClassifier, TransformersDetector, TransformersVQA
 from specgen.world import render, scene_for
 from specgen.world.prompts import DEFAULT_MIX, prompts, sample_prompt
 
-
 log = logging.getLogger(__name__)
+
 
 class GenEval:
     """GenEval on the shapes world (held-out prompts, exact parser) or on an official metadata file."""
@@ -103,6 +107,31 @@ def real_geneval(metadata_file: str, detector_path: str | None = None, color_che
                    samples_per_prompt=samples_per_prompt, layout_dir=layout_dir)
 
 
+def score_grids(name: str, grids: list[tuple[dict, int, np.ndarray]], questions, vqa,
+                mode: str) -> tuple[dict[str, float], list[dict]]:
+    """DPG-Bench scores of (meta, seed, 2x2 grid) items, `questions(meta)` giving each one's question graph: the DPG
+    rules (exact "yes", zeroing below a failed parent) on every crop; an item that fails is counted, never dropped."""
+    scores, cats, rows, failed = [], {}, [], 0
+    for meta, seed, grid in grids:
+        row = {"benchmark": name, "tag": "dense", "prompt": meta["prompt"], "seed": seed}
+        try:
+            s, per_cat = dpg_bench.score_image(grid, questions(meta), vqa, mode)
+        except Exception as e:  # counted and reported, unlike the released script
+            failed += 1
+            rows.append({**row, "correct": False, "reason": f"failed: {e}"})
+            continue
+        scores.append(s)
+        for k, v in per_cat.items():
+            cats.setdefault(k, []).extend(v)
+        rows.append({**row, "correct": s, "reason": ""})
+    return dpg_bench.summarize(scores, cats, failed), rows
+
+
+def grids_of(jobs: list[Job], images) -> list[tuple[dict, int, np.ndarray]]:
+    """(meta, seed, 2x2 grid) per prompt of jobs that come 4 per prompt, tiles in sample order."""
+    return [(jobs[i].meta, jobs[i].seed, dpg_bench.make_grid(list(images[i:i + 4]))) for i in range(0, len(jobs), 4)]
+
+
 class DPGBench:
     """DPG-Bench on held-out dense shapes prompts: 4 samples per prompt as one 2x2 grid, oracle VQA."""
 
@@ -119,23 +148,67 @@ class DPGBench:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        scores, cats, rows, failed = [], {}, [], 0
-        for i in range(0, len(jobs), 4):
-            meta = jobs[i].meta
-            try:
-                s, per_cat = dpg_bench.score_image(dpg_bench.make_grid(list(images[i:i + 4])),
-                                                   dpg_bench.shapes_questions(meta), self.vqa, self.mode)
-            except Exception as e:  # counted, never silently dropped
-                failed += 1
-                rows.append({"benchmark": self.name, "tag": "dense", "prompt": meta["prompt"], "seed": jobs[i].seed,
-                             "correct": False, "reason": f"failed: {e}"})
-                continue
-            scores.append(s)
-            for k, v in per_cat.items():
-                cats.setdefault(k, []).extend(v)
-            rows.append({"benchmark": self.name, "tag": "dense", "prompt": meta["prompt"], "seed": jobs[i].seed,
-                         "correct": s, "reason": ""})
-        return dpg_bench.summarize(scores, cats, failed), rows
+        grids = grids_of(jobs, images)
+        return score_grids(self.name, grids, dpg_bench.shapes_questions, self.vqa, self.mode)
+
+
+class DPGBenchFolder:
+    """DPG-Bench from its official prompt folder (`<item_id>.txt`) for real images: 4 samples per prompt written as
+    `<layout_dir>/<item_id>.png`, a 2x2 grid without padding (the official layout); scored by a VQA model through
+    the question graphs of `dpg_bench.csv` when both are given, else written only (the official script can score
+    the folder)."""
+
+    name = "dpg"
+
+    def __init__(self, prompts_path: str, questions=None, vqa=None, mode: str = "fixed",
+                 num_prompts: int | None = None, layout_dir: str | None = None):
+        if mode not in dpg_bench.MODES:
+            raise ValueError(f"unknown DPG-Bench mode {mode!r}: expected one of {dpg_bench.MODES}")
+        if num_prompts is not None and num_prompts < 1:
+            raise ValueError(f"benchmark.dpg.num_prompts={num_prompts!r}: give a positive number, or null for all")
+        prompts = dpg_bench.read_prompts(prompts_path)  # refuses a missing or empty folder, naming it
+        self.items = [{"item_id": k, "prompt": v, "tag": "dense"} for k, v in prompts.items()][:num_prompts]
+        self.questions, self.vqa, self.mode, self.layout_dir = questions, vqa, mode, layout_dir
+
+    def jobs(self, seed: int) -> list[Job]:
+        return [Job(m["prompt"], job_seed(seed, m["prompt"], k), m, k) for m in self.items for k in range(4)]
+
+    def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
+        grids = grids_of(jobs, images)
+        if self.layout_dir is not None:
+            folder = Path(self.layout_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            for meta, _, grid in grids:
+                Image.fromarray(grid).save(folder / f"{meta['item_id']}.png")
+        if self.vqa is None:
+            log.warning("DPG-Bench scoring skipped: no VQA model (give benchmark.vqa_path, a local transformers VQA "
+                        "folder, and benchmark.questions_path, dpg_bench.csv); the grids are in %s", self.layout_dir)
+            return {}, []
+
+        def questions(meta):
+            if meta["item_id"] not in self.questions:
+                raise KeyError(f"no questions for item {meta['item_id']!r} in the question file")
+            return self.questions[meta["item_id"]]
+
+        return score_grids(self.name, grids, questions, self.vqa, self.mode)
+
+
+def real_dpg(prompts_path: str | None, questions_path: str | None = None, vqa_path: str | None = None,
+             mode: str = "fixed", num_prompts: int | None = None, layout_dir: str | None = None,
+             vqa_device: str = "cpu") -> DPGBenchFolder:
+    """DPG-Bench on the official prompt folder for real images: scored by a local VQA model when benchmark.vqa_path
+    and benchmark.questions_path are given, else the grids are written only."""
+    if not prompts_path:
+        raise ValueError("benchmark.prompts_path is not set: give DPG-Bench's prompt folder (dpg_bench/prompts, one "
+                         "<item_id>.txt per prompt; a copy: shared/benchmarks/dpg_bench/prompts)")
+    if bool(questions_path) != bool(vqa_path):
+        raise ValueError(f"DPG-Bench scoring needs both benchmark.vqa_path ({vqa_path!r}) and "
+                         f"benchmark.questions_path ({questions_path!r}): give both, or neither to skip scoring")
+    questions = vqa = None
+    if vqa_path:
+        questions = dpg_bench.read_questions(questions_path, mode)
+        vqa = TransformersVQA(vqa_path, device=vqa_device)
+    return DPGBenchFolder(prompts_path, questions, vqa, mode, num_prompts, layout_dir)
 
 
 def mixed_prompts(split: str, n: int, seed: int) -> list[dict]:

@@ -50,11 +50,11 @@ def read_prompts(folder: str | Path) -> dict[str, str]:
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"DPG-Bench prompt folder {str(folder)!r} not found: pass the path of the "
-                                f"dpg_bench/prompts folder (one <item_id>.txt per prompt)")
+                                f"dpg_bench/prompts folder (one <item_id>.txt per prompt; benchmark.prompts_path)")
     prompts = {p.stem: p.read_text().strip() for p in sorted(folder.glob("*.txt"))}
     if not prompts:
         raise ValueError(f"DPG-Bench prompt folder {str(folder)!r} holds no <item_id>.txt files: pass the "
-                         f"dpg_bench/prompts folder of the ELLA repository (1065 prompts)")
+                         f"dpg_bench/prompts folder of the ELLA repository (1065 prompts; benchmark.prompts_path)")
     empty = [k for k, v in prompts.items() if not v]
     if empty:
         raise ValueError(f"DPG-Bench prompt files {[str(folder / f'{k}.txt') for k in empty[:3]]} are empty: "

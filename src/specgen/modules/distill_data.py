@@ -54,7 +54,7 @@ def teacher_states(backbone, prompts: Prompts, codes: torch.Tensor,
 
 
 class TeacherShards(Dataset):
-    """Item: cond and uncond teacher states (2, L, D) float32 and the predicted ids (L,)."""
+    """Item: cond and uncond teacher states (2, L, D) float32 and the predicted ids (L,), all shards in memory."""
 
     def __init__(self, files: list[Path]):
         parts = [np.load(f) for f in files]
@@ -67,6 +67,48 @@ class TeacherShards(Dataset):
     def __getitem__(self, i):
         return {"states": torch.from_numpy(self.states[i].astype(np.float32)),
                 "ids": torch.from_numpy(self.ids[i].astype(np.int64))}
+
+
+class TeacherTokens(Dataset):
+    """Streamed mode. Item: the sampled codes (H, W), the predicted ids (L,) and the prompt text; the states are
+    recomputed from them by the training module's frozen backbone."""
+
+    def __init__(self, files: list[Path]):
+        parts = [np.load(f) for f in files]
+        self.codes = np.concatenate([p["codes"] for p in parts])  # (N, H, W) int32
+        self.ids = np.concatenate([p["ids"] for p in parts])  # (N, L) int32
+        self.prompts = np.concatenate([p["prompts"] for p in parts])  # (N,) unicode
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"codes": torch.from_numpy(self.codes[i].astype(np.int64)),
+                "ids": torch.from_numpy(self.ids[i].astype(np.int64)), "prompt": str(self.prompts[i])}
+
+
+def image_states_len(grid) -> int:
+    """Teacher states (and predicted image tokens) per sequence: from the last prompt slot to the last visual token."""
+    g = grid.at(0)
+    return g.position(g.height - 1, g.width - 1) + 1
+
+
+def size_estimate(backbone, shards: int, shard_size: int, total_shards: int, stream: bool, folder: Path) -> str:
+    """What the shards to write will hold, on disk and (in-memory mode) in host memory during training."""
+    g = backbone.grid
+    L = image_states_len(g)
+    n, n_all = shards * shard_size, total_shards * shard_size
+    if stream:
+        per = 4 * (L + g.num_visual_tokens) + 4 * 256  # ids and codes as int32, a prompt of up to 256 characters
+        return (f"teacher tokens to write in {folder}: {shards} shards x {shard_size} sequences, about "
+                f"{n * per / 1e6:.1f} MB ({per / 1e3:.0f} KB a sequence; data.stream=true: the states, "
+                f"{2 * L * backbone.hidden_size * 2 / 1e6:.0f} MB a sequence in fp16, are recomputed per batch "
+                f"by the frozen backbone)")
+    per = 2 * L * backbone.hidden_size * 2  # conditional + unconditional branch, fp16
+    return (f"teacher shards to write in {folder}: {shards} shards x {shard_size} sequences x {L} states x "
+            f"{backbone.hidden_size} wide x 2 branches in fp16, about {n * per / 1e9:.2f} GB "
+            f"({per / 1e6:.1f} MB a sequence); training loads all {n_all} sequences into memory "
+            f"({n_all * per / 1e9:.2f} GB): data.stream=true caches only the tokens and recomputes the states")
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -110,7 +152,7 @@ class DistillDataModule(L.LightningDataModule):
                  val_shards: int = 1, shard_size: int = 512, sample_batch: int = 64, cfg_scale: float = 3.0,
                  temperature: float = 1.0, top_k: int | None = None, batch_size: int = 16, seed: int = 0,
                  num_workers: int = 0, sample_device: str = "auto", train_source: str = "samples",
-                 generator: dict | None = None, prompts_path: str | None = None):
+                 generator: dict | None = None, prompts_path: str | None = None, stream: bool = False):
         super().__init__()
         for name in ("train_shards", "val_shards", "shard_size", "sample_batch", "batch_size"):
             expect_int(f"data.{name}", locals()[name], 1)
@@ -137,7 +179,8 @@ class DistillDataModule(L.LightningDataModule):
 
     def shard_path(self, split: str, k: int) -> Path:
         source = self.hparams.train_source if split == "train" else "samples"
-        return Path(self.hparams.cache_dir) / self._key(source) / f"{split}_{k:05d}.npz"
+        kind = "_tokens" if self.hparams.get("stream") else ""  # streamed shards hold tokens, not states
+        return Path(self.hparams.cache_dir) / self._key(source) / f"{split}_{k:05d}{kind}.npz"
 
     def prepare_data(self):
         h = self.hparams
@@ -148,20 +191,18 @@ class DistillDataModule(L.LightningDataModule):
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         backbone = load_teacher(h, device)
-        g = backbone.grid
-        L = g.position(g.height - 1, g.width - 1) - g.prefix_len + 1  # states per sequence
-        per = 2 * L * backbone.hidden_size * 2  # conditional + unconditional branch, fp16
-        n = len(todo) * h.shard_size
-        log.info("teacher shards: %d sequences x %d states x %d wide x 2 branches in fp16 = %.2f GB in %s", n, L,
-                 backbone.hidden_size, n * per / 1e9, Path(h.cache_dir) / self._key())
-        print(f"teacher shards to write: {len(todo)} x {h.shard_size} sequences, about {n * per / 1e9:.2f} GB")
+        total = h.train_shards + h.val_shards
+        if len(todo) < total:
+            print(f"teacher shards: {total - len(todo)} of {total} already written, resuming with the other {len(todo)}")
+        print(size_estimate(backbone, len(todo), h.shard_size, total, h.get("stream", False),
+                            self.shard_path(*todo[0]).parent))
         for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
             self._write_shard(backbone, split, k, device)
 
     @torch.no_grad()
     def _write_shard(self, backbone, split: str, k: int, device: str = "cpu"):
         h = self.hparams
-        states, ids = [], []
+        states, ids, all_codes, texts = [], [], [], []
         dataset = split == "train" and h.train_source == "dataset"
         for start in tqdm(range(0, h.shard_size, h.sample_batch), desc=f"{split} shard {k}", leave=False):
             n = min(h.sample_batch, h.shard_size - start)
@@ -178,11 +219,21 @@ class DistillDataModule(L.LightningDataModule):
                 codes, _ = ar.generate(backbone, cond, cfg_scale=h.cfg_scale, temperature=h.temperature, top_k=h.top_k,
                                        rngs=make_rngs([h.seed * 7_919 + base + i for i in range(n)], device),
                                        static_cache=True)  # same tokens, about 3x faster
+            if h.get("stream"):  # tokens only: the training module recomputes the states
+                tokens = backbone.grid.at(0).image_tokens(codes)  # (n, H*stride): what the states would predict
+                ids.append(tokens[:, :image_states_len(backbone.grid)].int().cpu().numpy())
+                all_codes.append(codes.int().cpu().numpy())
+                texts += list(cond.texts)
+                continue
             both, tok = teacher_states(backbone, cond, codes, guided=True)  # (2n, L, D): conditional, unconditional
             states.append(torch.stack([both[:n], both[n:]], 1).half().cpu().numpy())
             ids.append(tok[:n].int().cpu().numpy())
         # atomic: an interrupted stage resumes at this shard
-        atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
+        if h.get("stream"):
+            atomic_savez(self.shard_path(split, k), codes=np.concatenate(all_codes), ids=np.concatenate(ids),
+                         prompts=np.array(texts, dtype=str))
+        else:
+            atomic_savez(self.shard_path(split, k), states=np.concatenate(states), ids=np.concatenate(ids))
 
     def _prompts(self, split: str, index: int, n: int, base: int) -> list[str]:
         """Prompts of sequences index..index+n-1 of a split: the world's, or the prompt file's (its last tenth, at
@@ -198,8 +249,9 @@ class DistillDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None):
         h = self.hparams
-        self.train_set = TeacherShards([self.shard_path("train", k) for k in range(h.train_shards)])
-        self.val_set = TeacherShards([self.shard_path("val", k) for k in range(h.val_shards)])
+        kind = TeacherTokens if h.get("stream") else TeacherShards
+        self.train_set = kind([self.shard_path("train", k) for k in range(h.train_shards)])
+        self.val_set = kind([self.shard_path("val", k) for k in range(h.val_shards)])
 
     def train_dataloader(self):
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,

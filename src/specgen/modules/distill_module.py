@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from specgen.backbones.loading import load_shapes_generator, weights_id
-from specgen.backbones.protocol import embed_image, weights_part
+from specgen.backbones.protocol import embed_image, image_states, weights_part
 from specgen.decoding.sampling import guide
 from specgen.modules.schedules import adamw_warmup_cosine
 from specgen.utils.checkpoints import build
@@ -120,8 +120,22 @@ class DistillModule(L.LightningModule):
             h = h[:, :-off]
         return pairs
 
+    @torch.no_grad()
+    def batch_states(self, batch) -> torch.Tensor:
+        """(2B, L, D) teacher states of a batch, B conditional rows then B unconditional: read from cached shards, or
+        recomputed by the frozen backbone from the sampled codes and prompts (a streamed data module)."""
+        if "states" in batch:
+            return batch["states"].transpose(0, 1).flatten(0, 1)
+        cond, uncond = [], []
+        for i, text in enumerate(batch["prompt"]):
+            # one image at a time: a whole sequence's KV cache is about 1 GB a row at Emu3's size in bf16
+            states, _ = image_states(self.backbone, self.backbone.prompts([text]).rows(True), batch["codes"][i:i + 1])
+            cond.append(states[:1])
+            uncond.append(states[1:])
+        return torch.cat(cond + uncond).float()
+
     def losses(self, batch) -> dict[str, torch.Tensor]:
-        states = batch["states"].transpose(0, 1).flatten(0, 1)  # (2B, L, D): B conditional rows, then B unconditional
+        states = self.batch_states(batch)  # (2B, L, D): B conditional rows, then B unconditional
         ids = batch["ids"].repeat(2, 1)  # (2B, L): the image token each state predicts
         embeds = embed_image(self.backbone, ids).float()  # a real teacher runs in bf16; the drafter trains in fp32
         tokens_out = getattr(self.net, "predicts", "hidden") == "tokens"
