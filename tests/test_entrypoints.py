@@ -114,9 +114,13 @@ def test_every_config_group_option_composes_and_builds(tmp_path):
     assert not loggers["none"]
     cpu = instantiate(compose_cfg("train", ["trainer=cpu"], tmp_path).trainer, logger=False, enable_checkpointing=False)
     assert isinstance(cpu.accelerator, CPUAccelerator) and cpu.precision == "32-true" and cpu.max_steps == 1000
-    gpu, ddp = (compose_cfg("train", [f"trainer={t}"], tmp_path).trainer for t in ("gpu", "ddp"))  # no GPU here
-    assert (gpu.accelerator, gpu.devices, gpu.precision) == ("gpu", 1, "bf16-mixed")
-    assert (ddp.accelerator, ddp.devices, ddp.strategy) == ("gpu", 2, "ddp_spawn")
+    gpu, ddp, spawn = (compose_cfg("train", [f"trainer={t}"], tmp_path).trainer for t in ("gpu", "ddp", "ddp_spawn"))
+    assert (gpu.accelerator, gpu.devices, gpu.precision) == ("gpu", 1, "bf16-mixed")  # no GPU here: composed only
+    assert (ddp.accelerator, ddp.devices, ddp.strategy) == ("gpu", "auto", "ddp")  # torchrun / SLURM / one node
+    assert (spawn.devices, spawn.strategy) == (2, "ddp_spawn")  # a local Hydra multirun
+    ddp_cpu = instantiate(compose_cfg("eval", ["trainer=ddp_cpu"], tmp_path).trainer, logger=False)
+    assert isinstance(ddp_cpu.accelerator, CPUAccelerator) and ddp_cpu.num_devices == 2
+    assert type(ddp_cpu.strategy).__name__ == "DDPStrategy" and ddp_cpu.precision == "32-true"
 
 
 @pytest.mark.parametrize("pair,target,draft", [("shapes", "mar_shapes", "mar_shapes_draft"),

@@ -54,12 +54,16 @@ def _save_png(path: Path, image: np.ndarray) -> None:
 
 
 def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: str | Path, batch_size: int = 32,
-                    desc: str = "generating") -> tuple[list[np.ndarray], list[dict]]:
-    """Images (uint8 (S, S, 3)) and per-image stats for every job, generating only the missing ones."""
+                    desc: str = "generating", progress: bool = True, timed: bool = True,
+                    note: dict | None = None) -> tuple[list[np.ndarray], list[dict]]:
+    """Images (uint8 (S, S, 3)) and per-image stats for every job, generating only the missing ones.
+
+    `timed=False` leaves the wall-clock fields out of the stats (processes sharing a machine time nothing
+    honestly); `note` is written beside the stats in each image's .json (e.g. the rank that made it)."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     todo = [j for j in jobs if not (cache_dir / f"{j.key}.png").is_file() or not (cache_dir / f"{j.key}.json").is_file()]
-    bar = tqdm(total=len(todo), desc=desc, unit="img", disable=not todo)
+    bar = tqdm(total=len(todo), desc=desc, unit="img", disable=not (todo and progress))
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
         prompts = backbone.prompts([j.prompt for j in batch])
@@ -74,10 +78,12 @@ def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: s
         for b, job in enumerate(batch):
             per_image = {k: (v[b].tolist() if torch.is_tensor(v) and v.ndim > 0 else
                              float(v) if torch.is_tensor(v) else v) for k, v in stats.items()}
-            per_image.update(batch_size=len(batch), batch_wall_s=wall, latency_s=wall / len(batch))
+            per_image.update(batch_size=len(batch))
+            if timed:
+                per_image.update(batch_wall_s=wall, latency_s=wall / len(batch))
             _save_png(cache_dir / f"{job.key}.png", images[b])
             atomic_write_text(cache_dir / f"{job.key}.json", json.dumps(
-                {"prompt": job.prompt, "seed": job.seed, "stats": per_image}))
+                {"prompt": job.prompt, "seed": job.seed, "stats": per_image, **(note or {})}))
         bar.update(len(batch))
     bar.close()
     out_images, out_stats = [], []

@@ -23,10 +23,13 @@ log = logging.getLogger(__name__)
 
 
 def speed_metrics(stats: list[dict]) -> dict[str, float]:
-    """Mean per-image speed statistics: target passes, latency, and any numeric counters."""
+    """Mean per-image speed statistics: target passes, latency, and any numeric counters. Latency only when every
+    image has one: images of a sharded run carry none (processes sharing a machine time nothing honestly)."""
     out = {}
     for key in stats[0]:
         vals = [s[key] for s in stats if isinstance(s.get(key), (int, float))]
+        if key == "latency_s" and len(vals) < len(stats):  # some images were decoded by several processes at once
+            continue
         if vals and key not in ("batch_size", "batch_wall_s"):
             out[key] = float(np.mean(vals))
     if "latency_s" in out:
@@ -54,16 +57,11 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     name, decode_fn = decoding.name, instantiate(decoding.fn)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
-    unique = list({j.key: j for jobs in jobs_per_bench for j in jobs}.values())
-    if not unique:
-        raise ValueError(f"the benchmarks {[b.name for b in benchmarks]} ask for no images (no prompts, or zero "
-                         f"samples per prompt): check their prompt files and counts, or run with benchmark=none "
-                         f"and a speed section for speed alone")
-    fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
-    cache_dir = Path(cfg.paths.data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
+    unique = unique_jobs(benchmarks, cfg.seed)
+    cache_dir = image_cache_dir(cfg.paths.data_dir, backbone, decoding)
     log.info("%d images for %s (cache: %s)", len(unique), name, cache_dir)
-    batch = decoding.get("batch_size") or cfg.batch_size  # a strategy may ask for smaller batches (SJD)
-    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, batch, desc=f"{name}")
+    images, stats = generate_images(unique, backbone, decode_fn, cache_dir, strategy_batch_size(cfg, decoding),
+                                    desc=f"{name}")
     by_key = {j.key: (img, st) for j, img, st in zip(unique, images, stats)}
     metrics, rows = {}, []
     for bench, jobs in zip(benchmarks, jobs_per_bench):
@@ -81,13 +79,40 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     return metrics, rows, grid
 
 
-def run_speed(cfg: DictConfig) -> dict[str, float]:
+def unique_jobs(benchmarks: list, seed: int) -> list:
+    """The (prompt, seed) jobs of all benchmarks, each image once, in the benchmarks' order."""
+    unique = list({j.key: j for b in benchmarks for j in b.jobs(seed)}.values())
+    if not unique:
+        raise ValueError(f"the benchmarks {[b.name for b in benchmarks]} ask for no images (no prompts, or zero "
+                         f"samples per prompt): check their prompt files and counts, or run with benchmark=none "
+                         f"and a speed section for speed alone")
+    return unique
+
+
+def image_cache_dir(data_dir: str, backbone, decoding: DictConfig) -> Path:
+    """The image cache of one strategy on one backbone: keyed by the backbone's weights, the decoding config and
+    the weights of every model that config loads."""
+    fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
+    return Path(data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
+
+
+def strategy_batch_size(cfg: DictConfig, decoding: DictConfig) -> int:
+    """Images per decoding batch: the strategy's own `batch_size` (SJD asks for smaller ones), else the run's."""
+    return decoding.get("batch_size") or cfg.batch_size
+
+
+def quality_strategies(cfg: DictConfig) -> list[DictConfig]:
+    """The decoding configs whose benchmark images a run generates: every strategy of a speed run, else `decoding`."""
+    return list(cfg.strategies.values()) if cfg.get("speed") else [cfg.decoding]
+
+
+def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) -> dict[str, float]:
     """Every strategy of `cfg.strategies` on the same prompts and seeds: quality on the configured
     benchmarks (if any), then speed side by side (the first strategy is the reference)."""
     out_dir = Path(cfg.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    backbone = instantiate(cfg.generator)
-    benchmarks = _benchmarks(cfg)
+    backbone = instantiate(cfg.generator) if backbone is None else backbone
+    benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
     metrics, rows = {}, []
     for dec in cfg.strategies.values():
         if benchmarks:
@@ -213,12 +238,14 @@ def speed_quality_png(metrics: dict[str, float], names: list[str], path: Path, b
     plt.close(fig)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, backbone=None, benchmarks: list | None = None) -> dict[str, float]:
+    """Generate (or read from the image cache) and score; `backbone` and `benchmarks` are built from `cfg` unless
+    given (a sharded run hands over those it built on rank 0)."""
     if cfg.get("speed"):
-        return run_speed(cfg)
+        return run_speed(cfg, backbone, benchmarks)
     out_dir = Path(cfg.paths.output_dir)
-    backbone = instantiate(cfg.generator)
-    benchmarks = _benchmarks(cfg)
+    backbone = instantiate(cfg.generator) if backbone is None else backbone
+    benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
     metrics, rows, grid = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if rows:  # speed-only runs have none
@@ -229,7 +256,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-def _benchmarks(cfg: DictConfig) -> list:
+def build_benchmarks(cfg: DictConfig) -> list:
     """The configured benchmarks. Entries without `_target_` are settings an experiment gave for a benchmark
     that `benchmark=none` (or another choice) removed: they are skipped with a note, not an error."""
     out = []
