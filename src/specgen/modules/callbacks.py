@@ -8,6 +8,7 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,6 +25,12 @@ class ExportModel(L.Callback):
     def __init__(self, dirpath: str, net_cfg, every_validation: bool = True, weights_dtype: str = "float32"):
         self.dirpath, self.net_cfg, self.every_validation = dirpath, net_cfg, every_validation
         self.weights_dtype = weights_dtype
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, FSDPStrategy):  # rank 0's `net` holds only its shard of the weights
+            raise ValueError("callbacks.export cannot gather FSDP-sharded weights (trainer=fsdp): run with "
+                             "callbacks.export=null and export the run's last.ckpt (a full state dict) with "
+                             "`python -m specgen.utils.ckpt_export <run>/checkpoints/last.ckpt --like <folder> --out <dir>`")
 
     def _export(self, trainer: L.Trainer, pl_module: L.LightningModule):
         if trainer.sanity_checking or not trainer.is_global_zero or trainer.fast_dev_run:

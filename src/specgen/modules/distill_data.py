@@ -32,6 +32,7 @@ from specgen.backbones.loading import load_shapes_generator, weights_id
 from specgen.backbones.protocol import Prompts, image_states
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_rngs
+from specgen.modules.sharding import rank_loader, rank_shards, rank_world, write_rank_share
 from specgen.utils.checkpoints import atomic_savez, build, missing_shards
 from specgen.utils.validate import expect_int
 from specgen.world.dataset import example
@@ -182,18 +183,25 @@ class DistillDataModule(L.LightningDataModule):
         kind = "_tokens" if self.hparams.get("stream") else ""  # streamed shards hold tokens, not states
         return Path(self.hparams.cache_dir) / self._key(source) / f"{split}_{k:05d}{kind}.npz"
 
-    def prepare_data(self):
+    def _missing(self) -> list[tuple[str, int]]:
         h = self.hparams
-        todo = missing_shards(self.shard_path, {"val": h.val_shards, "train": h.train_shards})  # val first: it scores every run
-        if not todo:
+        return missing_shards(self.shard_path, {"val": h.val_shards, "train": h.train_shards})  # val first: it scores every run
+
+    def prepare_data(self):
+        if rank_world(self.trainer)[1] > 1:  # several processes: each samples its share in setup()
             return
-        device = h.sample_device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        todo = self._missing()
+        if todo:
+            device = self.hparams.sample_device
+            self._write(todo, ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+    def _write(self, todo: list[tuple[str, int]], device: str, others: str = "") -> None:
+        h = self.hparams
         backbone = load_teacher(h, device)
         total = h.train_shards + h.val_shards
         if len(todo) < total:
-            print(f"teacher shards: {total - len(todo)} of {total} already written, resuming with the other {len(todo)}")
+            print(f"teacher shards: {total - len(todo)} of {total} already written{others}, sampling the other "
+                  f"{len(todo)}")
         print(size_estimate(backbone, len(todo), h.shard_size, total, h.get("stream", False),
                             self.shard_path(*todo[0]).parent))
         for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
@@ -249,13 +257,20 @@ class DistillDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None):
         h = self.hparams
+        rank, world = rank_world(self.trainer)
+        if world > 1:  # every rank samples its share of the missing shards on its own device
+            device = str(self.trainer.strategy.root_device) if h.sample_device == "auto" else h.sample_device
+            write_rank_share(self.trainer, self._missing, lambda todo: self._write(todo, device, " or left to other ranks"))
         kind = TeacherTokens if h.get("stream") else TeacherShards
-        self.train_set = kind([self.shard_path("train", k) for k in range(h.train_shards)])
+        self.train_shards = rank_shards(range(h.train_shards), rank, world, "data.train_shards")
+        if world > 1:
+            log.info("rank %d of %d trains on teacher shards %s", rank, world, self.train_shards)
+        self.train_set = kind([self.shard_path("train", k) for k in self.train_shards])
         self.val_set = kind([self.shard_path("val", k) for k in range(h.val_shards)])
 
     def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers)
+        h = self.hparams
+        return rank_loader(self.train_set, h.batch_size, h.num_workers, h.seed, rank_world(self.trainer)[1])
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)

@@ -171,7 +171,8 @@ class DistillModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         out = self.losses(batch)
-        self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=len(batch["ids"]))
+        # sync_dist: under DDP each rank scores a part of the validation shards; the logged value is their mean
+        self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=len(batch["ids"]), sync_dist=True)
 
     def export_extra(self) -> dict:
         if self.hparams.get("generator"):

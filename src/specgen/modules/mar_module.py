@@ -84,7 +84,7 @@ class MARModule(_Base):
         for suffix, net in self.validated_nets():
             net.train(False)
             loss = net(batch["latents"], net.condition(batch["prompt"]))
-            self.log("val/loss" + suffix, loss, prog_bar=True, batch_size=len(batch["prompt"]))
+            self.log("val/loss" + suffix, loss, prog_bar=True, batch_size=len(batch["prompt"]), sync_dist=True)
 
 
 def transition_kl(diffusion, out_q: torch.Tensor, out_p: torch.Tensor, x_t: torch.Tensor,
@@ -181,4 +181,4 @@ class MARDraftModule(_Base):
         for suffix, net in self.validated_nets():
             net.train(False)
             self.log("val/loss_data" + suffix, net(batch["latents"], net.condition(batch["prompt"])),
-                     batch_size=len(batch["prompt"]))
+                     batch_size=len(batch["prompt"]), sync_dist=True)  # the mean over the ranks' parts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from functools import cached_property
 from pathlib import Path
 
@@ -21,10 +22,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from specgen.modules.sharding import rank_loader, rank_shards, rank_world, write_rank_share
 from specgen.utils.checkpoints import atomic_savez, load_exported, missing_shards
 from specgen.utils.validate import expect_float, expect_int
 from specgen.world.dataset import example
 from specgen.world.prompts import ALL_TAGS
+
+log = logging.getLogger(__name__)
 
 
 def _file_sha(path: Path) -> str:
@@ -122,15 +126,19 @@ class ShapesTokenDataModule(L.LightningDataModule):
     def _shard_path(self, split: str, k: int) -> Path:
         return Path(self.hparams.cache_dir) / self._key(split) / f"{split}_{k:05d}.npz"
 
+    def _missing(self) -> list[tuple[str, int]]:
+        return missing_shards(self._shard_path, {"train": self._train_range(), "val": range(self.hparams.val_shards)})
+
     def prepare_data(self):
-        h = self.hparams
-        todo = missing_shards(self._shard_path, {"train": self._train_range(), "val": range(h.val_shards)})
-        if not todo:
+        if rank_world(self.trainer)[1] > 1:  # several processes: each tokenizes its share in setup()
             return
-        device = h.encode_device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        tokenizer = load_exported(h.tokenizer_dir, device)
+        todo = self._missing()
+        if todo:
+            device = self.hparams.encode_device
+            self._write(todo, ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+    def _write(self, todo: list[tuple[str, int]], device: str) -> None:
+        tokenizer = load_exported(self.hparams.tokenizer_dir, device)
         for split, k in tqdm(todo, desc="tokenizing shards", unit="shard"):
             self._write_shard(tokenizer, split, k, device)
 
@@ -152,12 +160,19 @@ class ShapesTokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None):
         h = self.hparams
-        self.train_set = TokenShards([self._shard_path("train", k) for k in self._train_range()])
+        rank, world = rank_world(self.trainer)
+        if world > 1:  # every rank tokenizes its share of the missing shards on its own device
+            device = str(self.trainer.strategy.root_device) if h.encode_device == "auto" else h.encode_device
+            write_rank_share(self.trainer, self._missing, lambda todo: self._write(todo, device))
+        self.train_shards = rank_shards(self._train_range(), rank, world, "data.train_shards")
+        if world > 1:
+            log.info("rank %d of %d trains on token shards %s", rank, world, self.train_shards)
+        self.train_set = TokenShards([self._shard_path("train", k) for k in self.train_shards])
         self.val_set = TokenShards([self._shard_path("val", k) for k in range(h.val_shards)])
 
     def train_dataloader(self):
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True,
-                          num_workers=self.hparams.num_workers, drop_last=True)
+        h = self.hparams
+        return rank_loader(self.train_set, h.batch_size, h.num_workers, h.seed, rank_world(self.trainer)[1])
 
     def val_dataloader(self):
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
