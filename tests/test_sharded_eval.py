@@ -22,12 +22,12 @@ def _overrides(exports: Path) -> list[str]:
             "logger=csv", "num_threads=1"]
 
 
-def _sharded(tmp: Path, exports: Path) -> subprocess.CompletedProcess:
+def _sharded(tmp: Path, exports: Path, trainer: tuple = ("trainer=ddp_cpu",)) -> subprocess.CompletedProcess:
     """`python -m specgen.eval ... trainer=ddp_cpu`: Lightning starts the second process itself (as on a GPU node)."""
     paths = [f"paths.{k}_dir={tmp / k}" for k in ("data", "log", "checkpoint")] + [f"hydra.run.dir={tmp / 'out'}"]
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "specgen.eval", *_overrides(exports), "trainer=ddp_cpu", *paths],
+    proc = subprocess.run([sys.executable, "-m", "specgen.eval", *_overrides(exports), *trainer, *paths],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -64,3 +64,14 @@ def test_two_processes_merge_into_the_one_process_metrics_and_resume(tmp_path, t
     redone = sorted(p for p in cache_ddp.glob("*.png") if p.stat().st_mtime_ns != stamps.get(p))
     assert redone == gone
     assert json.loads((tmp_path / "ddp" / "out" / "metrics.json").read_text()) == pytest.approx(merged)
+
+
+@pytest.mark.slow  # about 30 s
+def test_ddp_spawn_processes_merge_into_the_same_metrics(tmp_path, tiny_exports):
+    """ddp_spawn (local multiruns): the spawned processes have no Hydra runtime; the config reaches them resolved."""
+    from specgen.eval import evaluate as run_eval
+
+    one = run_eval(compose_cfg("eval", _overrides(tiny_exports), tmp_path / "one"))
+    _sharded(tmp_path / "spawn", tiny_exports, ("trainer=ddp_spawn", "trainer.accelerator=cpu", "trainer.precision=32-true"))
+    merged = json.loads((tmp_path / "spawn" / "out" / "metrics.json").read_text())
+    assert merged == pytest.approx({k: v for k, v in one.items() if k not in TIMING})

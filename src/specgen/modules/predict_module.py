@@ -17,7 +17,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from specgen.evaluation.generate import generate_images
@@ -106,10 +106,12 @@ def fill_image_cache(cfg: DictConfig) -> dict | None:
     has_bench = any(isinstance(n, DictConfig) and "_target_" in n for n in (cfg.get("benchmark") or {}).values())
     if not has_bench:  # a speed-only run: nothing to shard, speed is measured by one process
         return {} if trainer.global_rank == 0 else None
-    module, data = DecodeModule(cfg.generator, cfg.paths.data_dir), JobsDataModule(cfg)
-    for decoding in quality_strategies(cfg):
+    # resolved here: processes started by ddp_spawn have no Hydra runtime (paths.output_dir) to resolve against
+    resolved = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    module, data = DecodeModule(resolved.generator, resolved.paths.data_dir), JobsDataModule(resolved)
+    for decoding in quality_strategies(resolved):
         module.use(decoding)
-        data.batch_size = strategy_batch_size(cfg, decoding)
+        data.batch_size = strategy_batch_size(resolved, decoding)
         trainer.predict(module, datamodule=data, return_predictions=False)
     trainer.strategy.barrier("image cache written")
     if trainer.global_rank != 0:
