@@ -7,7 +7,8 @@ laptop), the generation is done first by Lightning:
 2. `Trainer.predict` hands each rank a disjoint, deterministic slice of that list (Lightning's
    UnrepeatedDistributedSampler: rank r gets jobs r, r + W, r + 2W, ...) in batches of the strategy's batch size;
 3. `predict_step` decodes a batch on the rank's device and writes each image and its stats into the shared cache
-   (atomic writes; images already there are skipped, so an interrupted run resumes);
+   (atomic writes; images already there are skipped, so an interrupted run resumes; over several nodes
+   `paths.data_dir` must be on a file system they all see);
 4. after a barrier, rank 0 runs the one-process runner, which finds every image cached and scores them: the same
    metrics as a one-process run, without the wall-clock fields (several processes on one machine time nothing
    honestly). A speed section (`speed:`) is measured afterwards by rank 0 alone; the other ranks return.

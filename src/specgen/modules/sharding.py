@@ -8,6 +8,7 @@ and read by every run. Under a trainer of W processes, rank r
 The training shards must divide evenly among the ranks: every rank then has the same number of batches per epoch
 (DDP's collectives hang when one rank's epoch ends first). Validation shards are read whole and split by
 Lightning's distributed sampler. In one process nothing changes: `prepare_data` writes every missing shard.
+Over several nodes the cache folder (`data.cache_dir`) must be on a file system they all see.
 
 FSDP (`trainer=fsdp`, `fsdp_strategy`) is the route for drafters of 7B-scale backbones, whose f_phi (235-470M
 parameters at width 4096) holds weights, gradients and Adam moments of 16 bytes a parameter in fp32: FSDP shards
