@@ -235,6 +235,15 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
     assert out["zipar/speed/images_bs1"] == 2 and out["ar/speed/peak_mem_mb_bs1"] > 0
 
 
+def test_summary_table_keeps_its_columns_for_long_strategy_names():
+    from specgen.evaluation.runner import summary_table
+
+    m = {f"{n}/speed/{k}": 1.0 for n in ("ar", "cspd_t10_noalign_long") for k in ("nfe", "nfe_ratio", "wall_ratio_bs1")}
+    lines = summary_table(m, ["ar", "cspd_t10_noalign_long"], [1]).splitlines()
+    assert len({len(line) for line in lines}) == 1  # every row as wide as the header
+    assert lines[2].startswith("cspd_t10_noalign_long ")
+
+
 def test_speed_averages_per_image_statistics_over_images():
     """Per-image statistics (1-D, one value per prompt, as SSD's accept_rate and image_passes) are averaged over
     all images of all batches; per-batch scalars over batches."""

@@ -175,7 +175,8 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
     fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
     heads = [label + (f" (n={int(fid_n)})" if key == "fidelity/fid" and fid_n else "") for key, label, _ in cols]
     has_geneval = any(f"{n}/geneval/overall" in metrics for n in names)
-    lines = [f"{'strategy':<14}" + "".join(f"{h:>14}" for h in heads) + (f"{'GenEval (95%)':>18}" if has_geneval else "")]
+    w = max([14] + [len(n) + 2 for n in names])  # the name column fits the longest strategy name
+    lines = [f"{'strategy':<{w}}" + "".join(f"{h:>14}" for h in heads) + (f"{'GenEval (95%)':>18}" if has_geneval else "")]
     for n in names:
         cells = "".join(f"{fmt.format(metrics[f'{n}/{key}']):>14}" if f"{n}/{key}" in metrics else f"{'-':>14}"
                         for key, _, fmt in cols)
@@ -183,7 +184,7 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
             q = metrics.get(f"{n}/geneval/overall")
             ci = metrics.get(f"{n}/geneval/overall_ci95", 0.0)
             cells += f"{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}"
-        lines.append(f"{n:<14}{cells}")
+        lines.append(f"{n:<{w}}{cells}")
     return "\n".join(lines)
 
 
