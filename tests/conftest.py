@@ -12,6 +12,16 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture
+def one_thread():
+    """Run the test on one intra-op thread (restored after): stored reference outputs were written so, and float
+    reductions split over other thread counts round differently along 100-step denoising chains."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_exports(tmp_path_factory):
     """A tiny random VQ tokenizer and backbone exported like the shipped ones."""

@@ -140,7 +140,7 @@ SLOW = {"cspd_lossless", "cspd_tail", "target_tail", "cspd_noalign", "cspd_align
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c[0] in SLOW else c for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_the_shipped_pair_gives_the_outputs_of_the_code_before_the_protocol(case):
+def test_the_shipped_pair_gives_the_outputs_of_the_code_before_the_protocol(case, one_thread):
     """tests/fixtures/cspd_reference.pt was written by make_cspd_reference.py from the code before the
     refactor; the same seeds must give the same tokens and every statistic (acceptance, work) unchanged."""
     name, decoder, options = case

@@ -322,7 +322,7 @@ def test_window_bound_keeps_greedy_equality_and_batch_invariance():
         ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)
 
 
-def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds():
+def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds(one_thread):
     """tests/fixtures/sjd_reference.pt was written by make_sjd_reference.py with SJD keeping dense (B, N, V) target
     distributions; SJD now keeps them for the Jacobi window only and must sample the same tokens with the same passes
     and acceptances on the shipped backbone."""
