@@ -1,6 +1,6 @@
 """Lossless CSpD (configs/decoding/cspd_lossless.yaml: exact ratio, prefix acceptance, stepwise verification) on
-the real families' modules, tiny and random: MAR's release layout and xAR's. A draft near the target is accepted
-often but not always, the residual never falls back, and the tokens CSpD gives cannot be told from target-only
+the real families' modules, tiny and random: MAR's release layout, xAR's and Harmon's (slow). A draft near the
+target is accepted often but not always, the residual never falls back, and the tokens CSpD gives cannot be told from target-only
 sampling (two-sample KS per position, on the sum and on a product of two positions) while the draft's own
 samples can (the test has the power to see a wrong distribution)."""
 import pytest
@@ -63,4 +63,33 @@ def test_lossless_cspd_samples_the_target_on_the_real_families(family):
     for stat in (lambda t: t[:, 0, 0], lambda t: t[:, 3, 0], lambda t: t.sum((1, 2)), lambda t: t[:, 0, 0] * t[:, 2, 0]):
         assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3
     draft_only, _ = mar.generate(draft, prompts, make_rngs(range(N)), **opts)
+    assert stats.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
+
+
+@pytest.mark.slow
+def test_lossless_cspd_samples_the_target_on_harmon(tmp_path):
+    """Harmon (tiny Qwen2 + MAR head of 16 tokens x 3 dims): the draft's head's final layer moved by 0.01 x N(0, 1).
+    Both clip x0 at 10 as in the MAR-release case. With 48 dimensions per image the draft's own samples are told
+    apart on the sum; acceptance is low (about 0.03), so the check covers accepted tokens, residual draws and the
+    prefix rule together."""
+    from test_harmon import _load, tiny_folder
+
+    t = _load(tiny_folder(tmp_path)).requires_grad_(False)
+    d = _load(tmp_path).requires_grad_(False)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "diffloss" in name and "final_layer" in name:
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+    t.mar.diffusion.x0_clip = d.mar.diffusion.x0_clip = 10.0
+    n = 1000
+    prompts = t.prompts(["a red circle"] * n)
+    opts = dict(num_iter=3, cfg_scale=2.0)
+    ref, _ = mar.generate(t, prompts, make_rngs(range(n)), **opts)
+    out, st = cspd.generate(t, prompts, make_rngs(range(n, 2 * n)), d, gamma=2, prefill_ratio=0.0, ratio="exact",
+                            acceptance="prefix", verify="stepwise", max_proposals=64, **opts)
+    assert 0.01 < st["accept_rate"] < 0.95 and st["fallbacks"] == 0
+    for stat in (lambda x: x[:, 0, 0], lambda x: x[:, 15, 2], lambda x: x.sum((1, 2)), lambda x: x[:, 0, 0] * x[:, 5, 1]):
+        assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3
+    draft_only, _ = mar.generate(d, prompts, make_rngs(range(n)), **opts)
     assert stats.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
