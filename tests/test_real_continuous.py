@@ -82,3 +82,22 @@ def test_gpu_check_runs_in_its_tiny_cpu_mode(tmp_path):
     xar = continuous_check.main(["--tiny", "--family", "xar", "--batches", "2", "--out", str(tmp_path / "xar")])
     assert xar["family"] == "xar" and xar["num_iter"] == 4 and xar["head_steps"] == 10
     assert xar["batches"][2]["target"]["tokens_per_step"] == 1 and xar["batches"][2]["target"]["head_s"] > 0
+
+
+def test_real_continuous_runs_on_tiny_harmon_releases(tmp_path):
+    from test_harmon import MAR_SIZES, tiny_folder
+
+    target, draft = tiny_folder(tmp_path / "t"), tiny_folder(tmp_path / "d", hidden=16, seed=1)
+    cfg = compose_cfg("eval", [
+        "experiment=real_continuous", "generator=harmon", "mar_pair=harmon_05_15",
+        f"generator.folder={target}", f"generator.vae_path={target / 'kl16.ckpt'}",
+        f"generator.mar_sizes=[{','.join(map(str, MAR_SIZES))}]", "generator.grid_size=4", "generator.token_dim=3",
+        "generator.buffer_size=8", "generator.num_classes=10", "generator.sample_steps=5",
+        "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
+        f"mar_pair.draft_folder={draft}", f"mar_pair.draft.mar_sizes=[{','.join(map(str, MAR_SIZES))}]",
+        "mar_pair.num_iter=4", "benchmark=none", "logger=none", "speed.batch_sizes=[2]", "speed.num_prompts=2",
+        "speed.prompts=[a red circle,two blue squares]"], tmp_path)
+    metrics = run(cfg)
+    for name in ("target", "cspd", "cspd_lossless"):
+        assert metrics[f"{name}/speed/nfe"] > 0 and f"{name}/speed/wall_ratio_bs2" in metrics, name
+    assert metrics["target/speed/nfe"] == 4 and 0 <= metrics["cspd/accept_rate"] <= 1
