@@ -106,3 +106,14 @@ def class_ids(prompts: list, num_classes: int) -> list[int]:
             raise ValueError(f"class id {p!r} is not an integer in [0, {num_classes})")
         out.append(c)
     return out
+
+
+def attach_decoder(model, tokenizer, fix: str):
+    """Attach the latent decoder that `model.decode` uses (kept out of the state dict: it is a separate export),
+    after checking that its latent grid and channels are the model's; `fix` tells the user what to give instead."""
+    if tokenizer.z_dim != model.latent_dim or tokenizer.grid_size != model.latent_grid:
+        raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} latents of dim "
+                         f"{tokenizer.z_dim}, {type(model).__name__} makes {model.latent_grid}x{model.latent_grid} of "
+                         f"dim {model.latent_dim}: {fix}")
+    model.__dict__["tokenizer"] = tokenizer
+    return model

@@ -19,7 +19,7 @@ import torch.nn as nn
 from scipy import stats
 from timm.models.vision_transformer import Block
 
-from specgen.backbones.continuous import class_ids, cosine_schedule, random_ranks
+from specgen.backbones.continuous import attach_decoder, class_ids, cosine_schedule, random_ranks
 from specgen.backbones.diffusion import DenoiserMLP, GaussianDiffusion
 
 PRESETS = {  # name -> (width, encoder depth, decoder depth, heads, head width, head depth)
@@ -120,12 +120,7 @@ class ShapesMAR(nn.Module):
 
     def attach_tokenizer(self, tokenizer: nn.Module) -> "ShapesMAR":
         """Attach the KL tokenizer used by `decode` (kept out of the state dict)."""
-        if tokenizer.z_dim != self.latent_dim or tokenizer.grid_size != self.latent_grid:
-            raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} latents of dim "
-                             f"{tokenizer.z_dim}, the backbone expects {self.latent_grid}x{self.latent_grid} of dim "
-                             f"{self.latent_dim}: load the tokenizer the backbone was trained with")
-        self.__dict__["tokenizer"] = tokenizer
-        return self
+        return attach_decoder(self, tokenizer, "load the tokenizer the backbone was trained with")
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Latent tokens (B, L, d) -> images (B, 3, S, S) in [0, 1]."""

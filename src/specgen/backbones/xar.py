@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specgen.backbones.continuous import class_ids
+from specgen.backbones.continuous import attach_decoder, class_ids
 from specgen.backbones.diffusion import TimestepEmbedder
 from specgen.backbones.loading import file_id
 from specgen.backbones.mar_release import check_state_dict, read_checkpoint
@@ -320,12 +320,7 @@ class XAR(nn.Module):
 
     def attach_tokenizer(self, tokenizer: nn.Module) -> "XAR":
         """Attach the KL-16 decoder used by `decode` (kept out of the state dict)."""
-        if tokenizer.z_dim != self.latent_dim or tokenizer.grid_size != self.latent_grid:
-            raise ValueError(f"tokenizer gives {tokenizer.grid_size}x{tokenizer.grid_size} latents of dim "
-                             f"{tokenizer.z_dim}, xAR here makes {self.latent_grid}x{self.latent_grid} of dim "
-                             f"{self.latent_dim}: give the VAE sizes of the checkpoint (generator.vae)")
-        self.__dict__["tokenizer"] = tokenizer
-        return self
+        return attach_decoder(self, tokenizer, "give the VAE sizes of the checkpoint (generator.vae)")
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cells (B, n_cells, T*c) -> images (B, 3, S, S) in [0, 1]."""

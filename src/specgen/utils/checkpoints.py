@@ -27,7 +27,8 @@ PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "a
              "ar_shapes_draft": "ar_shapes_draft_train", "fphi_shapes": "fphi_shapes", "fphi_accept": "fphi_accept",
              "fphi_tokens_shapes": "fphi_tokens_shapes", "mtp_shapes": "mtp_shapes", "featnet_shapes": "featnet_shapes",
              "clip_shapes": "clip_shapes", "mar_shapes": "mar_shapes_train", "mar_shapes_draft": "mar_draft_train",
-             "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train"}
+             "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train",
+             "mar_p2_shapes_draft_q": "mar_draft_q_cpu_train"}
 
 
 def reproduce_hint(dirpath: str | Path) -> str:
