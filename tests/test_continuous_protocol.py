@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy import stats
 
 from specgen.analysis import cspd_trace
 from specgen.backbones.continuous import ContinuousBackbone, cosine_schedule
 from specgen.decoding import cspd, mar
 from specgen.decoding.sampling import make_rngs
+
+from helpers import check_lossless_cspd
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
@@ -117,14 +118,7 @@ def test_lossless_cspd_on_the_protocol_alone_samples_the_target(tail):
     n = 3000
     prompts = ["a red circle"] * n
     opts = dict(num_iter=3, cfg_scale=2.0, ddim_tail=tail)
-    ref, _ = mar.generate(m, prompts, make_rngs(range(n)), **opts)
-    out, st = cspd.generate(m, prompts, make_rngs(range(n, 2 * n)), d, gamma=2, prefill_ratio=0.0, ratio="exact",
-                            acceptance="prefix", verify="stepwise", max_proposals=1024, **opts)
-    assert 0.1 < st["accept_rate"] < 0.95 and st["fallbacks"] == 0
-    for stat in (lambda t: t[:, 0, 0], lambda t: t[:, 3, 0], lambda t: t.sum((1, 2)), lambda t: t[:, 0, 0] * t[:, 2, 0]):
-        assert stats.ks_2samp(stat(out).numpy(), stat(ref).numpy()).pvalue > 1e-3
-    draft_only, _ = mar.generate(d, prompts, make_rngs(range(n)), **opts)
-    assert stats.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
+    check_lossless_cspd(m, d, prompts, opts, max_proposals=1024)
 
 
 def test_a_draft_with_other_chains_is_refused():
