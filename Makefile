@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN ?= logs/quickstart
 
-.PHONY: setup quickstart test test-slow benchmark retrain-tokenizer retrain-backbone retrain-gpu clean
+.PHONY: setup quickstart test test-slow benchmark figures figures-quick retrain-tokenizer retrain-backbone retrain-gpu clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,13 @@ test-slow: setup
 
 benchmark: setup
 	$(BIN)/python -m specgen.eval experiment=discrete_speed hydra.run.dir=logs/discrete_speed
+
+# every table and figure of both papers on the embedded world (resumable: finished entries are skipped)
+figures: setup
+	$(BIN)/python -m specgen.analysis.catalogue --out logs/figures
+
+figures-quick: setup
+	$(BIN)/python -m specgen.analysis.catalogue --quick --out logs/figures_quick
 
 retrain-gpu: setup
 	PY=$(BIN)/python bash experiments/gpu_retrain/run.sh

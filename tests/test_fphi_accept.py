@@ -158,6 +158,22 @@ def test_drafter_report_scores_exports_and_writes_json(tiny_exports, teacher, tm
                              "--out", str(out)])
 
 
+def test_drafter_report_samples_its_own_validation_shard_once(tiny_exports, teacher, tmp_path):
+    """--val-sequences N: the distillation stage's validation shard (same key and seeds), written once, no train data."""
+    args = ["--drafters", str(tiny_exports / "fphi"), "--backbone", str(tiny_exports / "ar"),
+            "--tokenizer", str(tiny_exports / "vq"), "--out", str(tmp_path / "r.json"), "--cfg-scale", "2"]
+    shard = teacher.shard_path("val", 0)
+    stamp = shard.stat().st_mtime_ns
+    reused = drafter_report.main(args + ["--val-sequences", "4", "--cache-dir", str(teacher.hparams.cache_dir)])
+    given = drafter_report.main(args + ["--shards", str(shard)])
+    assert reused == given and shard.stat().st_mtime_ns == stamp  # the stage's own shard, not sampled again
+    fresh = tmp_path / "cache"
+    drafter_report.main(args + ["--val-sequences", "4", "--cache-dir", str(fresh)])
+    assert [p.name for p in fresh.rglob("*.npz")] == ["val_00000.npz"]
+    with pytest.raises(SystemExit):
+        drafter_report.main(args)  # neither --shards nor --val-sequences
+
+
 def test_left_context_drafter_starts_as_the_one_without_and_drafts_rows_left_to_right():
     """left_context=True: zero-initialised (equal to the drafter it grows from), trained on the token before each
     drafted one (teacher-forced), and SSD drafts column by column; greedy output still equals AR."""

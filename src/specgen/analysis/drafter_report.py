@@ -5,6 +5,7 @@ drafts taken greedily), the guided KL, and the drafter's size and cost per draft
     python -m specgen.analysis.drafter_report --drafters checkpoints/fphi_shapes <export> ... \
         --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \
         --shards data/distill/<key>/val_00000.npz --cfg-scale 2 --out logs/drafter_report.json
+    # or let it sample (once, then reuse) a validation shard of N sequences: --val-sequences 512
 
 The shards are those the distillation stage writes (`data/distill/<key>/val_*.npz`, a key per backbone and
 sampling settings); use a validation shard, never one a drafter was trained on. FLOPs per drafted token count
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from specgen.modules.distill_data import TeacherShards
+from specgen.modules.distill_data import DistillDataModule, TeacherShards
 from specgen.modules.distill_module import DistillModule
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 
@@ -62,15 +63,33 @@ def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: li
     return row
 
 
+def validation_shard(backbone_dir: str, tokenizer_dir: str, cache_dir: str, sequences: int, cfg_scale: float) -> Path:
+    """The distillation stage's validation shard of `sequences` teacher samples at `cfg_scale`, written if missing
+    (the same file, key and seeds as `experiment=fphi_shapes data.shard_size=<sequences>` writes)."""
+    data = DistillDataModule(backbone_dir, tokenizer_dir, cache_dir, train_shards=1, val_shards=1,
+                             shard_size=sequences, sample_batch=min(64, sequences), cfg_scale=cfg_scale)
+    data.prepare_split("val")
+    return data.shard_path("val", 0)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafters", nargs="+", required=True, help="exported drafter folders")
     ap.add_argument("--backbone", required=True)
     ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--shards", nargs="+", required=True, help="held-out teacher shards (val_*.npz)")
+    ap.add_argument("--shards", nargs="+", default=None, help="held-out teacher shards (val_*.npz)")
+    ap.add_argument("--val-sequences", type=int, default=None, metavar="N",
+                    help="instead of --shards: sample (or reuse) one validation shard of N sequences from the backbone "
+                         "at --cfg-scale into --cache-dir, as the distillation stage writes it")
+    ap.add_argument("--cache-dir", default="data/distill", help="teacher shard cache of --val-sequences")
     ap.add_argument("--cfg-scale", type=float, default=2.0, help="the CFG scale the drafter will serve")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)
+    if (args.shards is None) == (args.val_sequences is None):
+        ap.error("give either --shards (existing val_*.npz files) or --val-sequences N (sample a validation shard)")
+    if args.val_sequences is not None:
+        args.shards = [str(validation_shard(args.backbone, args.tokenizer, args.cache_dir, args.val_sequences,
+                                            args.cfg_scale))]
     for s in args.shards:
         if not Path(s).is_file():
             raise FileNotFoundError(f"--shards {s!r} is not a file: give val_*.npz files written by the distillation "

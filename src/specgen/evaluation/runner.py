@@ -13,11 +13,12 @@ from PIL import Image
 from specgen.backbones.loading import file_id, weights_id
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.evaluation.entropy import token_entropy
+from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captioned_grid, pareto_png,
+                                         sweep_png)
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS
 from specgen.evaluation.speed import compare
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
-from specgen.utils.plots import pyplot
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def format_table(metrics: dict[str, float]) -> str:
 
 
 def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, out_dir: Path):
-    """Generate (cached) and score the benchmarks' images for one strategy: (metrics, rows, grid)."""
+    """Generate (cached) and score the benchmarks' images for one strategy: (metrics, rows, grid, figures), where
+    figures holds `samples` (a captioned sample grid) and, for speculative strategies, `accept_map` (H, W)."""
     name, decode_fn = decoding.name, instantiate(decoding.fn)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
@@ -70,13 +72,18 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
         rows += [dict(r, decoding=name) for r in bench_rows]
     metrics.update({f"{name}/speed/{k}": v for k, v in speed_metrics(stats).items()})
     metrics[f"{name}/num_images"] = float(len(unique))
+    figures = {}
     maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
     if maps:
-        acceptance_map_png(np.mean(maps, 0), out_dir / f"accept_map_{name}.png", f"{name}: first-pass acceptance")
+        figures["accept_map"] = np.mean(maps, 0)
+        accept_maps_png({f"{name}: first-pass acceptance": figures["accept_map"]}, out_dir / f"accept_map_{name}.png")
     metrics.update(alpha_by_step(name, stats))
-    grid = image_grid([by_key[j.key][0] for j in jobs_per_bench[0][:: max(1, cfg.grid_stride)]][: cfg.grid_images],
-                      ncols=cfg.grid_cols)
-    return metrics, rows, grid
+    shown = jobs_per_bench[0][:: max(1, cfg.grid_stride)]
+    grid = image_grid([by_key[j.key][0] for j in shown][: cfg.grid_images], ncols=cfg.grid_cols)
+    shown = shown[: cfg.get("caption_images", 18)]
+    figures["samples"] = captioned_grid([by_key[j.key][0] for j in shown], [j.prompt for j in shown],
+                                        ncols=min(6, len(shown)))
+    return metrics, rows, grid, figures
 
 
 def unique_jobs(benchmarks: list, seed: int) -> list:
@@ -113,11 +120,14 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone = instantiate(cfg.generator) if backbone is None else backbone
     benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
-    metrics, rows = {}, []
+    metrics, rows, maps = {}, [], {}
     for dec in cfg.strategies.values():
         if benchmarks:
-            m, r, grid = quality(cfg, backbone, dec, benchmarks, out_dir)
+            m, r, grid, figs = quality(cfg, backbone, dec, benchmarks, out_dir)
             Image.fromarray(grid).save(out_dir / f"grid_{dec.name}.png")
+            Image.fromarray(figs["samples"]).save(out_dir / f"samples_{dec.name}.png")
+            if "accept_map" in figs:
+                maps[dec.name] = figs["accept_map"]
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
@@ -129,7 +139,7 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
         if f"{name}/speed/accept_rate" in speed:  # headline acceptance rate of speculative strategies
             metrics[f"{name}/accept_rate"] = speed[f"{name}/speed/accept_rate"]
         if grid is not None:  # visual tokens per target pass (plain AR: just under 1)
-            for key in [k for k in speed if k.startswith(f"{name}/speed/nfe") and "ratio" not in k]:
+            for key in [k for k in speed if k.startswith(f"{name}/speed/nfe") and "ratio" not in k and "ci95" not in k]:
                 metrics[key.replace("/nfe", "/accept_len")] = grid.num_visual_tokens / speed[key]
     ref = next(iter(cfg.strategies.values()))
     if grid is not None and ref.name == "ar" and cfg.speed.get("entropy_prompts", 0):
@@ -141,14 +151,53 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     if rows:  # speed-only runs have none
         atomic_write_csv(out_dir / "results.csv", rows)
     names = list(strategies)
-    if benchmarks and any(f"{n}/geneval/overall" in metrics for n in names):
-        speed_quality_png(metrics, names, out_dir / "speed_quality.png", min(cfg.speed.batch_sizes))
+    speed_figures(cfg, metrics, names, maps, out_dir)
+    table = summary_table(metrics, names, list(cfg.speed.batch_sizes))
+    atomic_write_text(out_dir / "summary.txt", table + "\n")
+    _log(cfg, metrics, None, rows, out_dir, summary_rows(metrics, names, list(cfg.speed.batch_sizes)))
+    print(format_table(metrics))
+    print(table)
+    return metrics
+
+
+def speed_figures(cfg: DictConfig, metrics: dict[str, float], names: list[str], maps: dict[str, np.ndarray],
+                  out_dir: Path) -> None:
+    """The PNGs of a side-by-side run: quality vs passes and wall clock (Pareto), every swept setting, the
+    acceptance maps side by side, and CSpD's alpha along the steps."""
+    batch_sizes = list(cfg.speed.batch_sizes)
+    pareto_png(metrics, names, out_dir / "speed_quality.png", min(batch_sizes))
+    for key, series in swept_settings(cfg).items():
+        sweep_png(metrics, series, key, out_dir / f"sweep_{key}.png", batch_sizes, ref=names[0])
+    if len(maps) > 1:
+        accept_maps_png(maps, out_dir / "accept_maps.png")
     if any("/alpha_by_step/" in k for k in metrics):
         alpha_steps_png(metrics, names, out_dir / "alpha_steps.png")
-    _log(cfg, metrics, None, rows)
-    print(format_table(metrics))
-    print(summary_table(metrics, names, list(cfg.speed.batch_sizes)))
-    return metrics
+
+
+def swept_settings(cfg: DictConfig) -> dict[str, dict[str, float]]:
+    """Numeric decoding settings that a run's strategies sweep: {setting: {strategy: value}} for every setting on
+    which three or more strategies differ while agreeing on everything else (e.g. `experiment=ssd_rounds`)."""
+    flat = {s.name: _flatten(OmegaConf.to_container(s.fn, resolve=True)) for s in cfg.strategies.values()}
+    out = {}
+    for key in {k for f in flat.values() for k in f}:
+        groups: dict[str, dict[str, float]] = {}
+        for name, f in flat.items():
+            value = f.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                rest = json.dumps({k: v for k, v in f.items() if k != key}, sort_keys=True, default=str)
+                group = groups.setdefault(rest, {})
+                if float(value) not in group.values():  # a strategy identical to an earlier one adds no point
+                    group[name] = float(value)
+        best = max(groups.values(), key=len, default={})
+        if len(best) >= 3:
+            out[key.rsplit(".", 1)[-1]] = best
+    return out
+
+
+def _flatten(node, prefix: str = "") -> dict:
+    if isinstance(node, dict):
+        return {k: v for key, val in node.items() for k, v in _flatten(val, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): node}
 
 
 def speed_prompts(cfg: DictConfig, benchmarks: list = ()) -> list[str]:
@@ -163,9 +212,10 @@ def speed_prompts(cfg: DictConfig, benchmarks: list = ()) -> list[str]:
     return [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
 
 
-def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
-    """One row per strategy: passes and ratios against the reference, tokens per pass, and every quality
-    benchmark that ran (GenEval with its 95% interval, DPG, CLIPScore, FID with its sample size)."""
+def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> tuple[list[str], list[list]]:
+    """(column headings, one row of cells per strategy): passes and ratios against the reference, tokens per pass,
+    and every quality benchmark that ran (GenEval with its 95% interval, DPG, CLIPScore, FID with its sample
+    size); '-' where a strategy has no value."""
     cols = [("speed/nfe", "nfe", "{:.1f}"), ("speed/nfe_ratio", "nfe ratio", "{:.2f}")] \
         + [(f"speed/wall_ratio_bs{b}", f"wall x bs{b}", "{:.2f}") for b in batch_sizes] \
         + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
@@ -173,19 +223,28 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
            ("fidelity/fid", "FID", "{:.2f}")]
     cols = [c for c in cols if any(f"{n}/{c[0]}" in metrics for n in names)]
     fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
-    heads = [label + (f" (n={int(fid_n)})" if key == "fidelity/fid" and fid_n else "") for key, label, _ in cols]
+    heads = ["strategy"] + [label + (f" (n={int(fid_n)})" if key == "fidelity/fid" and fid_n else "")
+                            for key, label, _ in cols]
     has_geneval = any(f"{n}/geneval/overall" in metrics for n in names)
-    w = max([14] + [len(n) + 2 for n in names])  # the name column fits the longest strategy name
-    lines = [f"{'strategy':<{w}}" + "".join(f"{h:>14}" for h in heads) + (f"{'GenEval (95%)':>18}" if has_geneval else "")]
+    heads += ["GenEval (95%)"] if has_geneval else []
+    rows = []
     for n in names:
-        cells = "".join(f"{fmt.format(metrics[f'{n}/{key}']):>14}" if f"{n}/{key}" in metrics else f"{'-':>14}"
-                        for key, _, fmt in cols)
+        cells = [n] + [fmt.format(metrics[f"{n}/{key}"]) if f"{n}/{key}" in metrics else "-" for key, _, fmt in cols]
         if has_geneval:
-            q = metrics.get(f"{n}/geneval/overall")
-            ci = metrics.get(f"{n}/geneval/overall_ci95", 0.0)
-            cells += f"{(f'{q:.3f} +-{ci:.3f}' if q is not None else '-'):>18}"
-        lines.append(f"{n:<{w}}{cells}")
-    return "\n".join(lines)
+            q, ci = metrics.get(f"{n}/geneval/overall"), metrics.get(f"{n}/geneval/overall_ci95", 0.0)
+            cells.append(f"{q:.3f} +-{ci:.3f}" if q is not None else "-")
+        rows.append(cells)
+    return heads, rows
+
+
+def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
+    """`summary_rows` as aligned text (the table a run prints)."""
+    heads, rows = summary_rows(metrics, names, batch_sizes)
+    w = max([14] + [len(n) + 2 for n in names])  # the name column fits the longest strategy name
+    widths = [w] + [14] * (len(heads) - 2) + ([18] if heads[-1].startswith("GenEval") else [14])
+    widths = widths[: len(heads)]
+    fmt = lambda cells: f"{cells[0]:<{w}}" + "".join(f"{c:>{wd}}" for c, wd in zip(cells[1:], widths[1:]))  # noqa: E731
+    return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
 
 
 def alpha_by_step(name: str, stats: list[dict]) -> dict[str, float]:
@@ -200,43 +259,8 @@ def alpha_by_step(name: str, stats: list[dict]) -> dict[str, float]:
             for i in range(len(drafted)) if drafted[i] > 0}
 
 
-def alpha_steps_png(metrics: dict[str, float], names: list[str], path: Path) -> None:
-    """Acceptance rate along the generation steps, one line per strategy that drafts."""
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=120)
-    for n in names:
-        pts = sorted((int(k.rsplit("/s", 1)[1]), v) for k, v in metrics.items() if k.startswith(f"{n}/alpha_by_step/"))
-        if pts:
-            ax.plot([p[0] + 1 for p in pts], [p[1] for p in pts], "o-", ms=3, label=n)
-    ax.set_xlabel("MAR generation step")
-    ax.set_ylabel("acceptance rate alpha")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
-def speed_quality_png(metrics: dict[str, float], names: list[str], path: Path, batch_size: int) -> None:
-    """GenEval overall (95% interval) against the wall-clock speed-up at `batch_size`, one point per strategy."""
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(5, 3.6), dpi=120)
-    for n in names:
-        x = metrics.get(f"{n}/speed/wall_ratio_bs{batch_size}", metrics.get(f"{n}/speed/wall_ratio"))
-        y = metrics.get(f"{n}/geneval/overall")
-        if x is None or y is None:
-            continue
-        ax.errorbar([x], [y], yerr=[metrics.get(f"{n}/geneval/overall_ci95", 0.0)], fmt="o", capsize=3)
-        ax.annotate(n, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel(f"wall-clock speed-up over {names[0]} (batch {batch_size})")
-    ax.set_ylabel("GenEval overall (95% interval)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def run(cfg: DictConfig, backbone=None, benchmarks: list | None = None) -> dict[str, float]:
@@ -247,12 +271,13 @@ def run(cfg: DictConfig, backbone=None, benchmarks: list | None = None) -> dict[
     out_dir = Path(cfg.paths.output_dir)
     backbone = instantiate(cfg.generator) if backbone is None else backbone
     benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
-    metrics, rows, grid = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
+    metrics, rows, grid, figs = quality(cfg, backbone, cfg.decoding, benchmarks, out_dir)
     atomic_write_text(out_dir / "metrics.json", json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     if rows:  # speed-only runs have none
         atomic_write_csv(out_dir / "results.csv", rows)
     Image.fromarray(grid).save(out_dir / "grid.png")
-    _log(cfg, metrics, grid, rows)
+    Image.fromarray(figs["samples"]).save(out_dir / "samples.png")
+    _log(cfg, metrics, grid, rows, out_dir)
     print(format_table(metrics))
     return metrics
 
@@ -271,19 +296,6 @@ def build_benchmarks(cfg: DictConfig) -> list:
     return out
 
 
-def acceptance_map_png(m: np.ndarray, path: Path, title: str) -> None:
-    """Heat map of the per-position acceptance rate (H, W), written as a PNG."""
-    plt = pyplot()
-
-    fig, ax = plt.subplots(figsize=(4, 3.6), dpi=120)
-    im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("column")
-    ax.set_ylabel("row")
-    fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def _weights_ids(node) -> list[str]:
@@ -296,19 +308,28 @@ def _weights_ids(node) -> list[str]:
     return []
 
 
-def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray, rows: list[dict]) -> None:
+def _log(cfg: DictConfig, metrics: dict, grid: np.ndarray | None, rows: list[dict], out_dir: Path,
+         summary: tuple[list[str], list[list]] | None = None) -> None:
+    """Metrics, the run's PNGs (as images), its per-image results and its summary (as tables) to every logger."""
+    pngs = sorted(out_dir.glob("*.png"))
     for lg_cfg in (cfg.get("logger") or {}).values():
         if lg_cfg is None:
             continue
         logger = instantiate(lg_cfg)
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
         logger.log_metrics(metrics)
-        if hasattr(logger, "log_image") and grid is not None:
-            logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
-        if hasattr(logger, "log_table") and rows:
-            # one type per column: GenEval marks images correct (bool), DPG scores them (float)
-            # (the union of the benchmarks' columns, as in results.csv; missing cells are None)
-            columns = list(dict.fromkeys(k for r in rows for k in r))
-            data = [[float(v) if isinstance(v, bool) else v for v in (r.get(c) for c in columns)] for r in rows]
-            logger.log_table("eval/results", columns=columns, data=data)
+        if hasattr(logger, "log_image"):
+            if grid is not None:
+                logger.log_image("eval/grid", [grid.astype(np.uint8)])  # uint8: W&B does not rescale floats
+            for png in pngs:  # paths: W&B reads the files as written
+                logger.log_image(f"eval/figures/{png.stem}", [str(png)])
+        if hasattr(logger, "log_table"):
+            if rows:
+                # one type per column: GenEval marks images correct (bool), DPG scores them (float)
+                # (the union of the benchmarks' columns, as in results.csv; missing cells are None)
+                columns = list(dict.fromkeys(k for r in rows for k in r))
+                data = [[float(v) if isinstance(v, bool) else v for v in (r.get(c) for c in columns)] for r in rows]
+                logger.log_table("eval/results", columns=columns, data=data)
+            if summary:  # one row per strategy, as the printed table
+                logger.log_table("eval/summary", columns=summary[0], data=summary[1])
         logger.finalize("success")

@@ -1,7 +1,7 @@
 """Speed of decoding strategies measured side by side: same backbone, prompts, seeds and process.
 
 For each batch size and strategy: one warm-up batch, then `repeats` timed passes over the prompts
-(device synchronised). Reports latency per image, throughput, target passes (NFE) per image,
+(device synchronised). Reports latency per image, throughput, target passes (NFE) per image with a 95% interval over batches,
 draft calls, and peak memory (CUDA allocator on GPU; the process's peak RSS, reset per measurement,
 on CPU), plus wall-clock and NFE ratios against the reference strategy (the first one listed).
 """
@@ -72,7 +72,9 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
                 elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(x):  # averaged over images
                     extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
             n += len(x)
-    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)),
+    # 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count such as AR's
+    nfe_ci = 1.96 * float(np.std(nfe, ddof=1)) / np.sqrt(len(nfe)) if len(nfe) > 1 else 0.0
+    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)), "nfe_ci95": nfe_ci,
             "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
             **{k: float(np.mean(v)) for k, v in extra.items()}}
 
@@ -89,6 +91,9 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
         for name, res in results.items():
             res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
             res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
+            # first-order interval of the ratio from both means' intervals (the reference's is 0 for AR)
+            res["nfe_ratio_ci95"] = res["nfe_ratio"] * float(np.hypot(res["nfe_ci95"] / res["nfe"],
+                                                                     results[ref]["nfe_ci95"] / results[ref]["nfe"]))
             out.update({f"{name}/speed/{k}_bs{bs}": v for k, v in res.items()})
             if bs == max(batch_sizes):  # the largest batch also under plain names
                 out.update({f"{name}/speed/{k}": v for k, v in res.items()})

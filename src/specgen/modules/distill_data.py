@@ -187,10 +187,16 @@ class DistillDataModule(L.LightningDataModule):
         h = self.hparams
         return missing_shards(self.shard_path, {"val": h.val_shards, "train": h.train_shards})  # val first: it scores every run
 
+    def prepare_split(self, split: str) -> None:
+        """Write the missing shards of one split only ('val': a held-out set for a report, without training data)."""
+        self._write_missing([t for t in self._missing() if t[0] == split])
+
     def prepare_data(self):
         if rank_world(self.trainer)[1] > 1:  # several processes: each samples its share in setup()
             return
-        todo = self._missing()
+        self._write_missing(self._missing())
+
+    def _write_missing(self, todo: list[tuple[str, int]]) -> None:
         if todo:
             device = self.hparams.sample_device
             self._write(todo, ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
