@@ -129,6 +129,25 @@ def test_carry_spends_the_row_budget_then_only_the_flush(rounds):
     assert (st["rounds_per_row"] <= rounds + 1).all()
 
 
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_carry_pass_statistics_account_for_every_token_once(rounds):
+    """Where the passes go: every visual token is judged fresh once and finalised once, so tokens finalised per
+    pass times the image's passes is the grid, sampled or greedy; a noisy drafter's fresh drafts change more often
+    than carried tokens (which are checked against the last pass's p)."""
+    m = tiny(True)
+    p = m.prompts(PROMPTS)
+    n = m.grid.num_visual_tokens
+    _, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rounds=rounds, carry=True, rngs=make_rngs([0, 1, 2]))
+    assert torch.allclose(st["final_per_pass"] * (st["image_passes"] - 1), torch.full((3,), float(n)))
+    for key in ("fresh_change_rate", "carried_change_rate", "first_change_fresh"):
+        assert ((st[key] >= 0) & (st[key] <= 1)).all(), key
+    assert (st["fresh_change_rate"] > st["carried_change_rate"]).all() and (st["fresh_change_rate"] > 0.2).all()
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=rounds, carry=True)
+    assert torch.equal(out, ref)
+    assert torch.allclose(st["final_per_pass"] * (st["image_passes"] - 1), torch.full((3,), float(n)))
+
+
 def _exact_joint(m: ShapesLlama, prompt: str, cfg_scale: float) -> np.ndarray:
     """Exact probability of every 2x2 image under the model (temperature 1), by enumeration."""
     g = m.grid
@@ -320,6 +339,27 @@ def test_window_bound_keeps_greedy_equality_and_batch_invariance():
         assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
     with pytest.raises(ValueError, match="max_window_rows"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)
+
+
+def test_redraft_keeps_greedy_equality_batch_invariance_and_refuses_what_it_cannot_serve():
+    """redraft=k: the tail after a change is drafted again by f_phi.right; every token is still verified (greedy
+    output = AR), an image's draws are its own (batch = batch 1), and the re-drafts are counted as draft calls."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    for rounds in (0, 1):
+        out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=rounds, carry=True,
+                               redraft=3)
+        assert torch.equal(out, ref)
+    kw = dict(cfg_scale=3.0, rounds=1, carry=True, max_window_rows=2, redraft=2)
+    out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **kw)
+    _, plain = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **dict(kw, redraft=0))
+    assert st["draft_calls"] > plain["draft_calls"]
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw)
+        assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="redraft=2 .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, redraft=2)
 
 
 def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds(one_thread):
