@@ -66,7 +66,7 @@ def test_a_finished_entry_is_skipped_and_a_changed_one_runs_again(tmp_path):
 
 
 def test_a_failed_entry_names_its_log_and_leaves_no_done_mark(tmp_path):
-    with pytest.raises(RuntimeError, match=r"'broken' failed \(exit 3\).*broken.log.*boom"):
+    with pytest.raises(RuntimeError, match=r"(?s)'broken' failed \(exit 3\).*broken.log.*boom"):
         run_entry(_fake("broken", "import sys; print('boom'); sys.exit(3)"), tmp_path, quick=False, env={})
     assert not (tmp_path / "broken" / "catalogue_done.json").exists()
 
