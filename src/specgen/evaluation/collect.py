@@ -55,7 +55,8 @@ def format_rows(rows: list[dict], drop_constant: bool = True) -> str:
 
 
 def pareto_plot(rows: list[dict], x: str, y: str, path: str | Path, label: str = "decoding") -> bool:
-    """Scatter of y against x, one point per job labelled by `label` (and its varying overrides); PNG."""
+    """Scatter of y against x, one point per job labelled by `label` (and its varying overrides), with y's 95%
+    interval where the jobs report `<y>_ci95`; PNG."""
     pts = [(r[x], r[y], r) for r in rows if isinstance(r.get(x), float) and isinstance(r.get(y), float)]
     if not pts:
         return False
@@ -64,7 +65,8 @@ def pareto_plot(rows: list[dict], x: str, y: str, path: str | Path, label: str =
                and len({str(r.get(c)) for r in rows}) > 1]
     fig, ax = plt.subplots(figsize=(5, 4), dpi=120)
     for px, py, r in pts:
-        ax.scatter(px, py, s=25)
+        ci = r.get(f"{y}_ci95")  # the job's 95% interval of y, where the run measured one
+        ax.errorbar([px], [py], yerr=[ci] if isinstance(ci, float) else None, fmt="o", ms=5, capsize=3)
         text = " ".join([str(r.get(label, ""))] + [f"{c.split('.')[-1]}={r.get(c)}" for c in varying])
         ax.annotate(text, (px, py), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel(x)
