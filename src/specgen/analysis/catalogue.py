@@ -86,25 +86,29 @@ def merge(args: tuple[str, ...], changes: tuple[str, ...]) -> list[str]:
 
 
 GENEVAL_QUICK = ("benchmark.geneval.prompts_per_task=1", "benchmark.geneval.images_per_task=4")
+SPEED_QUICK = ("speed.num_prompts=2", "speed.batch_sizes=[1]")
+CSPD_QUICK = ("benchmark.geneval.prompts_per_task=1", "benchmark.geneval.samples_per_prompt=2",
+              "benchmark.fidelity.num_prompts=8", *SPEED_QUICK)
 ENTRIES = (
     Entry("ssd_strategies",
           "SSD: speed-up table (passes, latency per strategy), quality table (GenEval), 1D-MTP vs SJD vs SSD, "
           "per-position acceptance maps",
           (*EVAL, "experiment=discrete_speed"),
-          (*GENEVAL_QUICK, "speed.num_prompts=4", "speed.entropy_prompts=4")),
+          # lockstep speculative decoders (SJD, 1D-MTP, draft model) run faster per image in small batches on a CPU
+          (*GENEVAL_QUICK, *SPEED_QUICK, "speed.entropy_prompts=2", "batch_size=8")),
     Entry("ssd_rounds", "SSD: verification rounds (passes at batch 1 and 16), the paper's rule, point-wise drafter",
-          (*EVAL, "experiment=ssd_rounds"), ("speed.num_prompts=4",)),
+          (*EVAL, "experiment=ssd_rounds"), SPEED_QUICK),
     Entry("ssd_rounds_geneval", "SSD: verification rounds with carry, GenEval (+-0.03) and passes",
           (*EVAL, "experiment=ssd_rounds_geneval"),
-          (*GENEVAL_QUICK, "speed.num_prompts=4", "speed.batch_sizes=[1]")),
+          (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_2d", "SSD: 2D drafting vs horizontal-only",
           (*EVAL, "-m", "experiment=ssd_ablation", "strategies.ssd.fn.vertical=true,false"),
-          (*GENEVAL_QUICK, "speed.num_prompts=4", "speed.batch_sizes=[1]"), sweep=True,
+          (*GENEVAL_QUICK, *SPEED_QUICK), sweep=True,
           pareto=("ssd/speed/nfe_ratio_bs1", "ssd/geneval/overall")),
     Entry("ssd_drafter_input", "SSD: hidden-state (f_phi) vs token-id drafting",
           (*EVAL, "-m", "experiment=ssd_ablation",
            f"strategies.ssd.fn.drafter.dirpath={CK}/fphi_shapes,{CK}/fphi_tokens_shapes"),
-          (*GENEVAL_QUICK, "speed.num_prompts=4", "speed.batch_sizes=[1]"), sweep=True,
+          (*GENEVAL_QUICK, *SPEED_QUICK), sweep=True,
           pareto=("ssd/speed/nfe_ratio_bs1", "ssd/geneval/overall")),
     Entry("drafter_report", "SSD: drafter agreement and expected acceptance per direction, size and FLOPs",
           ("-m", "specgen.analysis.drafter_report", "--drafters", f"{CK}/fphi_shapes", f"{CK}/fphi_accept",
@@ -113,19 +117,17 @@ ENTRIES = (
           ("--val-sequences", "32")),
     Entry("cspd_main", "CSpD: FID / IS / GenEval per strategy, Table 3 (alignment on / off), alpha along the steps, "
           "work ratios", (*EVAL, "experiment=continuous_speed", "num_threads=1"),
-          ("benchmark.geneval.prompts_per_task=1", "benchmark.fidelity.num_prompts=8", "speed.num_prompts=4")),
+          CSPD_QUICK),
     Entry("cspd_table1", "CSpD Table 1: speed-up vs batch size for draft lengths 4, 8, 16, 32",
           (*EVAL, "-m", "experiment=cspd_ablation", "benchmark=geneval_fid_shapes",
            "benchmark.geneval.prompts_per_task=12", "benchmark.fidelity.num_prompts=256", "ablation.gamma=4,8,16,32",
            "speed.batch_sizes=[1,8,16,32]", "speed.num_prompts=32", "num_threads=1"),
-          ("benchmark.geneval.prompts_per_task=1", "benchmark.fidelity.num_prompts=8", "speed.batch_sizes=[1,8]",
-           "speed.num_prompts=8"), sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
+          (*CSPD_QUICK, "speed.batch_sizes=[1,8]", "speed.num_prompts=8"), sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
     Entry("cspd_table4", "CSpD Table 4: pre-fill ratio 0, 5, 15%",
           (*EVAL, "-m", "experiment=cspd_ablation", "benchmark=geneval_fid_shapes",
            "benchmark.geneval.prompts_per_task=12", "benchmark.fidelity.num_prompts=256",
            "ablation.prefill_ratio=0.0,0.05,0.15", "speed.batch_sizes=[1,16]", "speed.num_prompts=16", "num_threads=1"),
-          ("benchmark.geneval.prompts_per_task=1", "benchmark.fidelity.num_prompts=8", "speed.batch_sizes=[1]",
-           "speed.num_prompts=4"), sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
+          CSPD_QUICK, sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
     Entry("cspd_trace", "CSpD Table 3 per step: the paper's ratio aligned vs independent at inner temperatures "
           "1-42, the exact ratio, cost split",
           ("-m", "specgen.analysis.cspd_trace", "--backbone", f"{CK}/mar_p2_shapes", "--draft",
