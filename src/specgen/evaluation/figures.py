@@ -153,9 +153,9 @@ def captioned_grid(images: list[np.ndarray], captions: list[str], ncols: int = 6
         raise ValueError(f"{len(images)} images but {len(captions)} captions: give one caption per image")
     font = ImageFont.load_default()
     side = images[0].shape[0] * scale
-    char_w = max(1, int(font.getlength("M")))
+    char_w = max(1.0, font.getlength("a photo of two red circles") / 26)  # a prompt's mean character width
     line_h = int(sum(abs(v) for v in font.getbbox("Mg")[1::2])) + 2
-    width_chars = max(8, side // char_w)
+    width_chars = max(8, int(side // char_w) - 1)
     cell_h = side + lines * line_h + pad
     nrows = -(-len(images) // ncols)
     canvas = Image.new("RGB", (ncols * (side + pad) + pad, nrows * (cell_h + pad) + pad), "white")
