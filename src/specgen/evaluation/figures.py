@@ -83,6 +83,7 @@ def sweep_png(metrics: dict[str, float], series: dict[str, float], xlabel: str, 
         ys = [metrics.get(f"{n}/speed/nfe_ratio_bs{bs}", np.nan) for n in names]
         ci = [metrics.get(f"{n}/speed/nfe_ratio_ci95_bs{bs}", 0.0) for n in names]
         ax.errorbar(xs, ys, yerr=ci, fmt="o-", capsize=3, ms=4, label=f"batch {bs}")
+    ax.set_xticks(xs)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"target passes saved (x fewer than {ref or 'reference'})")
     ax.grid(alpha=0.3)
@@ -95,6 +96,7 @@ def sweep_png(metrics: dict[str, float], series: dict[str, float], xlabel: str, 
         if ref_q is not None:
             ax.axhspan(ref_q[0] - ref_q[1], ref_q[0] + ref_q[1], color="0.85", zorder=0, label=f"{ref} (95%)")
             ax.legend(fontsize=8)
+        ax.set_xticks(xs)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{quality_key} (95% interval)")
         ax.grid(alpha=0.3)
