@@ -175,10 +175,12 @@ def run_entry(entry: Entry, out: Path, quick: bool, env: dict) -> dict:
 
 
 def outputs(folder: Path) -> list[str]:
-    """The files a reader looks at: tables, plots and samples (sweeps: their jobs' too), relative to the folder."""
-    keep = ("summary.txt", "table.txt", "table.csv", "metrics.json", "trace.txt", "report.json")
+    """The files a reader looks at, relative to the folder: tables, plots, captioned samples (a sweep: its own and its
+    jobs'); not the plain grids, nor single acceptance maps where a run drew them all in one figure."""
+    keep = ("summary.txt", "table.txt", "trace.txt", "report.json")
     found = [p for p in sorted(folder.rglob("*")) if p.is_file() and (p.suffix == ".png" or p.name in keep)
-             and "geneval_samples" not in p.parts and "wandb" not in p.parts]
+             and "geneval_samples" not in p.parts and "wandb" not in p.parts and not p.name.startswith("grid_")
+             and not (p.name.startswith("accept_map_") and (p.parent / "accept_maps.png").is_file())]
     return [str(p.relative_to(folder)) for p in found]
 
 
@@ -194,7 +196,7 @@ def index(out: Path, records: list[dict], quick: bool) -> str:
         r = by_name.get(e.name)
         if r is None:
             continue
-        files = ", ".join(f"[{f}]({e.name}/{f})" for f in outputs(out / e.name) if f.endswith((".png", ".txt")))
+        files = ", ".join(f"[{f}]({e.name}/{f})" for f in outputs(out / e.name))
         lines.append(f"| `{e.name}` | {e.paper} | {r['seconds'] / 60:.1f} | {files} |")
     lines += ["", "Commands:", ""] + [f"- `{e.name}`: `{by_name[e.name]['command']}`" for e in ENTRIES if e.name in by_name]
     text = "\n".join(lines) + "\n"
