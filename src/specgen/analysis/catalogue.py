@@ -10,7 +10,8 @@ and time) and is skipped when the catalogue is run again with the same command; 
 takes the images it had already made from the image cache (`data/image_cache/`). Sweeps are collected into
 `table.csv` and `pareto.png`. At the end `<out>/README.md` lists every entry: the paper item, the command, its
 time and the files it wrote. `--quick` shrinks every entry to a few images and prompts: the same tables and
-figures with wide intervals, to check the pipeline end to end (about half an hour on 2 cores).
+figures with wide intervals, to check the pipeline end to end (40 minutes from a fresh clone on 2 cores; the
+catalogue sizes: about 9 hours, experiments/README.md).
 """
 from __future__ import annotations
 
