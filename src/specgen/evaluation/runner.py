@@ -80,7 +80,7 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
     metrics.update(alpha_by_step(name, stats))
     shown = jobs_per_bench[0][:: max(1, cfg.grid_stride)]
     grid = image_grid([by_key[j.key][0] for j in shown][: cfg.grid_images], ncols=cfg.grid_cols)
-    shown = shown[: cfg.get("caption_images", 18)]
+    shown = shown[: cfg.caption_images]
     figures["samples"] = captioned_grid([by_key[j.key][0] for j in shown], [j.prompt for j in shown],
                                         ncols=min(6, len(shown)))
     return metrics, rows, grid, figures
