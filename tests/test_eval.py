@@ -475,3 +475,40 @@ def test_geneval_report_scores_the_first_k_samples_and_resamples_prompts(tmp_pat
         with pytest.raises(SystemExit):
             main([str(tmp_path), *bad])
     assert "--samples 'four'" in capsys.readouterr().err
+
+
+def test_speed_streams_prompts_through_slots_and_counts_passes_per_batch():
+    """A streaming strategy gets every prompt in one call with slots = the batch size; its passes are reported per
+    batch of that size (stream passes x slots / prompts), next to a fixed-batch strategy on the same prompts; at
+    least min_batches batches per batch size, with a clear error when the caller gives fewer prompts."""
+    import torch
+
+    from specgen.evaluation.speed import compare, prompts_needed
+
+    class Fake:
+        device = torch.device("cpu")
+
+        def prompts(self, prompts):
+            return list(prompts)
+
+    calls = []
+
+    def fixed(backbone, ids, rngs=None):
+        return None, {"nfe": 20}
+
+    def stream(backbone, ids, rngs=None, slots=None):
+        calls.append((len(ids), slots))
+        n = len(ids)  # every image 10 passes; the stream's passes as if perfectly packed, plus a tail of 2
+        return None, {"nfe": (10 * n) // (slots or 1) + (2 if slots else 0), "image_passes": torch.full((n,), 10.0)}
+
+    prompts = [f"p{i}" for i in range(prompts_needed(4, [1, 4], 3))]
+    assert len(prompts) == 12
+    out = compare(Fake(), {"ar": fixed, "ssd": stream}, prompts, [1, 4], streams=("ssd",), min_batches=3,
+                  num_prompts=4)
+    assert out["ar/speed/images_bs1"] == 4 and out["ar/speed/images_bs4"] == 12  # 3 batches of 4
+    assert calls[-1] == (12, 4)  # one call with every prompt, four slots (the warm-up came first)
+    assert out["ssd/speed/nfe_bs4"] == pytest.approx((30 + 2) * 4 / 12)
+    assert out["ssd/speed/nfe_ratio_bs4"] == pytest.approx(20 / ((30 + 2) * 4 / 12))
+    assert out["ssd/speed/nfe_bs1"] == 10 and out["ssd/speed/stream_bs4"] == 1
+    with pytest.raises(ValueError, match="give 12"):
+        compare(Fake(), {"ar": fixed}, prompts[:8], [1, 4], min_batches=3, num_prompts=4)

@@ -381,3 +381,49 @@ def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds(one_threa
         codes, nfe, accepted = run_case(m, options)
         assert torch.equal(codes, ref[name]["codes"]), name
         assert nfe == int(ref[name]["nfe"]) and torch.equal(accepted, ref[name]["accepted_drafts"]), name
+
+
+def test_continuous_batching_keeps_every_image_and_counts_passes_exactly():
+    """slots=S (continuous batching): greedy output equals AR's; every image's tokens and passes are its batch-1
+    ones (greedy and sampled); one slot spends exactly the sum of the images' batch-1 passes, slots for every
+    prompt exactly the slowest image's, and fewer slots than prompts something in between."""
+    m = tiny(True, grid=6)
+    prompts = PROMPTS + ["a green diamond", "two red circles", "a cross"]
+    p = m.prompts(prompts)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    for slots in (1, 2, 6):
+        out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True, slots=slots)
+        assert torch.equal(out, ref)
+    kw = dict(cfg_scale=3.0, temperature=1.0, rounds=1, carry=True)
+    alone = [ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw) for i in range(6)]
+    runs = {s: ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), slots=s, **kw) for s in (1, 3, 6)}
+    for s, (out, st) in runs.items():
+        for i, (one, st1) in enumerate(alone):
+            assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    passes = [st1["nfe"] for _, st1 in alone]
+    assert len(set(passes)) > 1
+    assert runs[1][1]["nfe"] == sum(passes) and runs[6][1]["nfe"] == max(passes)
+    assert runs[6][1]["nfe"] <= runs[3][1]["nfe"] < sum(passes)
+    assert runs[3][1]["nfe"] >= sum(passes) / 3  # no pass serves more than its 3 slots
+    assert 0 < runs[3][1]["slot_occupancy"] <= 1
+
+
+def test_continuous_batching_refuses_what_it_cannot_serve():
+    m = tiny(True)
+    p = m.prompts(PROMPTS)
+    with pytest.raises(ValueError, match="needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, slots=2)
+    with pytest.raises(ValueError, match="slots"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, slots=0)
+
+    class NoRagged:  # a backbone without per-row cache lengths (the protocol's minimum)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name == "new_ragged_cache":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    with pytest.raises(ValueError, match="new_ragged_cache"):
+        ssd.generate(NoRagged(m), p, noisy_drafter(m), carry=True, slots=2)

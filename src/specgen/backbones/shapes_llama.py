@@ -14,6 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 from specgen.backbones.prenorm import split_final_norm
 from specgen.backbones.protocol import Prompts, PromptRows, TokenGrid
+from specgen.backbones.ragged_cache import RaggedCache
 from specgen.world.prompts import WORDS, tokenize_words
 
 SPECIALS = ("<pad>", "<boi>", "<eoi>", "<eol>")
@@ -101,6 +102,11 @@ class ShapesLlama(nn.Module):
         if static:
             return StaticCache(config=self.config, max_cache_len=self.grid.seq_len)
         return DynamicCache(config=self.config)
+
+    def new_ragged_cache(self, rows: int, length: int) -> RaggedCache:
+        """A cache whose rows hold different lengths and roll back on their own (continuous batching; see
+        `backbones.ragged_cache`): `rows` cache rows of `length` slots."""
+        return RaggedCache.for_config(self.config, rows, length, self.dtype, self.device)
 
     def forward_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None = None,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -125,7 +125,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              temperature: float = 1.0, top_k: int | None = None, rngs=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
-             redraft: int = 0):
+             redraft: int = 0, slots: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -135,12 +135,21 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     `redraft` (carry only, beyond the paper): after a pass, up to this many tokens right of an image's first change
     (in its row) are drafted again by f_phi.right from the fresh state before the change, instead of being carried
     with values that were judged given the replaced token (0: off, the carry rule as it was).
+    `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
+    in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
     with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included)."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
                    draft_temperature)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
+    if slots is not None:
+        if not carry:
+            raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
+                             f"carry=true; set carry=true or slots=null")
+        from specgen.decoding.ssd_stream import generate_stream
+        return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
+                               vertical, max_window_rows, draft_temperature, redraft)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g, B, dev = st.g, st.B, st.seq.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
@@ -207,23 +216,7 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
     while True:
-        st.hid.release(win.floor())
-        ready = win.ready()
-        if ready.any():
-            images = ready.nonzero().flatten()
-            rows = win.next_row[images]
-            if vertical and int(rows.min()) > 0:
-                draft, q = _draft_down(st, drafter, rows, images, draft_temperature)
-            else:  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
-                if not bool(ready.all()) or int(rows.max()) != int(rows.min()):
-                    images = None
-                else:
-                    r = int(rows[0])
-                    start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
-                    draft, q = _draft_right(st, drafter, start, r, draft_temperature)
-            if images is not None:
-                st.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
-                win.add(images, rows, q)
+        draft_due(st, win, drafter, vertical, draft_temperature)
         if not win.live().any():
             if not (win.next_row < g.height).any():
                 break
@@ -237,6 +230,27 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
                    "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
                    "image_passes": (win.passes + 1).float(), "flush_passes": flush, "state_slots": st.hid.peak_slots,
                    **win.pass_stats()}
+
+
+def draft_due(st: SpecState, win: CarryWindow, drafter, vertical: bool, draft_temperature: float | None) -> None:
+    """Release the states no draft or pass reads any more, and draft the rows that are due (`win.ready()`)."""
+    g, dev = st.g, st.seq.device
+    st.hid.release(win.floor())
+    ready = win.ready()
+    if not ready.any():
+        return
+    images = ready.nonzero().flatten()
+    rows = win.next_row[images]
+    if vertical and int(rows.min()) > 0:
+        draft, q = _draft_down(st, drafter, rows, images, draft_temperature)
+    elif not bool(ready.all()) or int(rows.max()) != int(rows.min()):
+        return  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
+    else:
+        r = int(rows[0])
+        start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
+        draft, q = _draft_right(st, drafter, start, r, draft_temperature)
+    st.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
+    win.add(images, rows, q)
 
 
 def _verify_exact(st: SpecState, cols: torch.Tensor, q: torch.Tensor):

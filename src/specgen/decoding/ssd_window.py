@@ -97,12 +97,21 @@ class CarryWindow:
 
     def step(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
         """One target pass over the union window: accept or correct each live token of the images taking part."""
+        self.st.target_pass(self.pass_end())
+        self.judge(accept_map, rounds_used)
+
+    def pass_end(self) -> int:
+        """The slot a pass over the window feeds up to (exclusive): the window's last token is conditioned on,
+        never fed."""
+        return int(self.pos[-1])
+
+    def judge(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
+        """After the pass: accept or correct each live token of the images taking part, move their windows on."""
         st, g, pos = self.st, self.st.g, self.pos
         # its next row due but not drafted (held back by max_lead, or horizontal rows waiting for the batch): the
         # image waits without a pass, as if its next row came at once, so its draws stay its own
         held = self.wants()
         act = (self.live() & ~held).nonzero().flatten()
-        st.target_pass(int(pos[-1]))  # the window's last token is conditioned on, never fed
         p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
         cur = st.visual(pos)
         new = cur.clone()

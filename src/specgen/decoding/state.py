@@ -134,8 +134,14 @@ class SpecState:
         """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive)."""
         if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
             return
-        P = self.g.prefix_len
         self.bb.rollback(self.cache, self.cached)
+        start, embeds, pos = self.pass_inputs(end)
+        self.pass_done(start, self.bb.forward_embeds(embeds, pos, self.cache))
+
+    def pass_inputs(self, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """What a pass up to `end` feeds: (first slot, embeddings (B', n, D), slots (n,)), from the last valid cache
+        entry on; the prompt rows on the first pass."""
+        P = self.g.prefix_len
         if self.cached < P:  # prefill: the prompt rows (a decoder's first pass ends at the prompt's end)
             if end != P or self.cached:
                 raise RuntimeError(f"the first target pass must cover the prompt exactly (slots [0, {P})), "
@@ -143,9 +149,12 @@ class SpecState:
             embeds = self.bb.embed_tokens(self.rows.ids)
         else:
             embeds = self.embed(self.seq[:, self.cached:end])
-        pos = torch.arange(self.cached, end, device=self.seq.device)
-        self.hid.write(self.cached, self.bb.forward_embeds(embeds, pos, self.cache))
-        self.cached = end
+        return self.cached, embeds, torch.arange(self.cached, end, device=self.seq.device)
+
+    def pass_done(self, start: int, hidden: torch.Tensor) -> None:
+        """Record a pass's states (B', n, D) from slot `start` on: the cache now holds the tokens up to its end."""
+        self.hid.write(start, hidden)
+        self.cached = start + hidden.shape[1]
         self.nfe += 1
 
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captio
                                          sweep_png)
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS
-from specgen.evaluation.speed import compare
+from specgen.evaluation.speed import compare, prompts_needed
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -131,8 +131,11 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
-    prompts = speed_prompts(cfg, benchmarks)
-    speed = compare(backbone, strategies, prompts, list(cfg.speed.batch_sizes), cfg.speed.repeats)
+    batch_sizes, min_batches = list(cfg.speed.batch_sizes), int(cfg.speed.get("min_batches") or 1)
+    prompts = speed_prompts(cfg, benchmarks, prompts_needed(cfg.speed.num_prompts, batch_sizes, min_batches))
+    streams = tuple(s.name for s in cfg.strategies.values() if s.get("stream"))
+    speed = compare(backbone, strategies, prompts, batch_sizes, cfg.speed.repeats, streams, min_batches,
+                    cfg.speed.num_prompts)
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
     for name in strategies:
@@ -200,16 +203,17 @@ def _flatten(node, prefix: str = "") -> dict:
     return {prefix.rstrip("."): node}
 
 
-def speed_prompts(cfg: DictConfig, benchmarks: list = ()) -> list[str]:
-    """The speed section's prompts: `speed.prompts` (class ids for class-conditional models) repeated to
-    `speed.num_prompts`; with `speed.prompt_source=benchmark`, the first benchmark's own prompts (a real
-    backbone's prompt file); else held-out prompts of the embedded world."""
+def speed_prompts(cfg: DictConfig, benchmarks: list = (), n: int | None = None) -> list[str]:
+    """The speed section's prompts (`n`, default `speed.num_prompts`): `speed.prompts` (class ids for
+    class-conditional models) repeated to n; with `speed.prompt_source=benchmark`, the first benchmark's own prompts
+    (a real backbone's prompt file); else held-out prompts of the embedded world."""
+    n = n or cfg.speed.num_prompts
     given = cfg.speed.get("prompts")
     if given:
-        return [str(given[i % len(given)]) for i in range(cfg.speed.num_prompts)]
+        return [str(given[i % len(given)]) for i in range(n)]
     if cfg.speed.get("prompt_source", "world") == "benchmark" and benchmarks:
-        return list(dict.fromkeys(j.prompt for j in benchmarks[0].jobs(cfg.seed)))[: cfg.speed.num_prompts]
-    return [m["prompt"] for m in mixed_prompts("test", cfg.speed.num_prompts, cfg.seed)]
+        return list(dict.fromkeys(j.prompt for j in benchmarks[0].jobs(cfg.seed)))[:n]
+    return [m["prompt"] for m in mixed_prompts("test", n, cfg.seed)]
 
 
 def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> tuple[list[str], list[list]]:

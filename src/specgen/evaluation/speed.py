@@ -46,8 +46,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: int = 1, seed: int = 0) -> dict:
-    """Latency/throughput/NFE/memory of one strategy at one batch size."""
+def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: int = 1, seed: int = 0,
+            stream: bool = False) -> dict:
+    """Latency/throughput/NFE/memory of one strategy at one batch size. `stream` (batch sizes above 1): the
+    decoder takes every prompt in one call with `slots=batch_size` (continuous batching) instead of fixed batches."""
+    if stream and batch_size > 1:
+        return _measure_stream(backbone, decode_fn, prompts, batch_size, repeats, seed)
     device = backbone.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     ids = [backbone.prompts(b) for b in batches]
@@ -79,15 +83,61 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
             **{k: float(np.mean(v)) for k, v in extra.items()}}
 
 
-def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[int], repeats: int = 1) -> dict:
-    """Flat metrics `<name>/speed/<key>_bs<B>` for every strategy, ratios against the first one."""
+def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats: int, seed: int) -> dict:
+    """`measure` for a continuous-batching decoder: all prompts in one call, at most `slots` in flight, the same
+    per-image seeds as fixed batches. `nfe` is per batch of `slots` images, (stream passes) x slots / prompts, so
+    it compares with a fixed-batch strategy's passes per batch; its interval comes from the per-image passes'
+    (the stream's passes are about their sum over slots x occupancy)."""
+    device = backbone.device
+    ids = backbone.prompts(prompts)
+    decode_fn(backbone, ids[:slots], rngs=make_rngs(range(min(slots, len(prompts))), device), slots=slots)  # warm-up
+    _reset_peak(device)
+    wall, nfe, drafts, extra, per_image = 0.0, [], [], {}, []
+    for r in range(repeats):
+        rngs = make_rngs([seed + 1000 * r + i for i in range(len(prompts))], device)
+        _sync(device)
+        t0 = time.perf_counter()
+        _, stats = decode_fn(backbone, ids, rngs=rngs, slots=slots)
+        _sync(device)
+        wall += time.perf_counter() - t0
+        nfe.append(stats["nfe"] * slots / len(prompts))
+        drafts.append(stats.get("draft_calls", 0) * slots / len(prompts))
+        per_image += stats["image_passes"].float().cpu().tolist()
+        for k, v in stats.items():
+            if k in ("nfe", "draft_calls"):
+                continue
+            if isinstance(v, (int, float)):
+                extra.setdefault(k, []).append(float(v))
+            elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(prompts):
+                extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
+    n = len(prompts) * repeats
+    mean_nfe = float(np.mean(nfe))
+    rel = 1.96 * float(np.std(per_image, ddof=1)) / np.sqrt(len(per_image)) / float(np.mean(per_image)) \
+        if len(per_image) > 1 else 0.0
+    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": mean_nfe, "nfe_ci95": mean_nfe * rel,
+            "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
+            "stream": 1.0, **{k: float(np.mean(v)) for k, v in extra.items()}}
+
+
+def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[int], repeats: int = 1,
+            streams: tuple[str, ...] = (), min_batches: int = 1, num_prompts: int | None = None) -> dict:
+    """Flat metrics `<name>/speed/<key>_bs<B>` for every strategy, ratios against the first one. Strategies named in
+    `streams` decode with continuous batching at batch sizes above 1 (see `measure`). At batch size B every
+    strategy gets the first max(num_prompts, min_batches x B) prompts (`num_prompts`: default all), so that a
+    stream has prompts to refill its slots with; give at least `prompts_needed(...)` of them."""
     out: dict[str, float] = {}
     ref = next(iter(strategies))
+    need = prompts_needed(num_prompts or len(prompts), batch_sizes, min_batches)
+    if len(prompts) < need:
+        raise ValueError(f"{len(prompts)} speed prompts for min_batches={min_batches} at batch sizes {batch_sizes}: "
+                         f"give {need} (prompts_needed), or lower speed.min_batches")
     for bs in batch_sizes:
         results = {}
+        use = prompts[: max(num_prompts or len(prompts), min_batches * bs)]
         for name, fn in strategies.items():
-            log.info("speed: %s at batch %d (%d prompts)", name, bs, len(prompts))
-            results[name] = measure(backbone, fn, prompts, bs, repeats)
+            log.info("speed: %s at batch %d (%d prompts%s)", name, bs, len(use),
+                     ", continuous batching" if name in streams and bs > 1 else "")
+            results[name] = measure(backbone, fn, use, bs, repeats, stream=name in streams)
         for name, res in results.items():
             res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
             res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
@@ -98,3 +148,8 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
             if bs == max(batch_sizes):  # the largest batch also under plain names
                 out.update({f"{name}/speed/{k}": v for k, v in res.items()})
     return out
+
+
+def prompts_needed(num_prompts: int, batch_sizes: list[int], min_batches: int = 1) -> int:
+    """How many prompts `compare` needs: `num_prompts`, or `min_batches` batches of the largest batch size."""
+    return max([num_prompts] + [min_batches * b for b in batch_sizes])

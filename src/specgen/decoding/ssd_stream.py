@@ -1,0 +1,144 @@
+"""SSD with carry over a stream of prompts: continuous batching (`ssd.generate(..., slots=S)`).
+
+In a fixed batch every image progresses on its own rows, but the batch's passes are its slowest image's: an image
+that is done idles until the last one is. Here the prompts are a queue and at most `slots` images are in flight;
+an image that is done hands its slot to the next prompt at once. Each image keeps the state of batch-1 decoding
+(its tokens, its verification window, its random stream), and one target pass feeds every image in flight its own
+window (the new ones their prompts) through a `RaggedCache`, whose rows hold different lengths and roll back on
+their own. So an image's tokens and its pass count are those of batch-1 decoding (up to floating-point differences
+of batched matmuls), and the stream's passes approach (sum of the images' passes) / slots.
+
+Accounting: `nfe` counts target forwards over the slots (one forward counts once, however many images and tokens it
+feeds, prompts included); `image_passes` (per image) the forwards each image took part in, its prefill included.
+"""
+from __future__ import annotations
+
+import torch
+
+from specgen.backbones.protocol import DiscreteBackbone, Prompts
+from specgen.decoding.ssd_window import CarryWindow
+from specgen.decoding.state import SpecState
+from specgen.utils.validate import expect_int
+
+
+class _SlotState(SpecState):
+    """A stream image's state: its target passes run in the stream's shared forwards, never alone."""
+
+    def target_pass(self, end: int) -> None:
+        raise RuntimeError("a stream image's passes run through the stream (ssd_stream.generate_stream)")
+
+
+class _Image:
+    """One image of the stream: batch-1 SSD with carry, advanced between the shared passes."""
+
+    def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rounds: int, vertical: bool,
+                 max_window_rows: int | None, draft_temperature: float | None, redraft: int, sampling: dict):
+        self.index = index
+        self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
+        self.win = CarryWindow(self.st, rounds, None, max_window_rows, redraft, drafter, draft_temperature)
+        g, dev = self.st.g, self.st.seq.device
+        self.accept_map = torch.zeros(1, g.height, g.width, dtype=torch.bool, device=dev)
+        self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
+        self.drafter, self.vertical, self.draft_temperature = drafter, vertical, draft_temperature
+        self.flush = 0
+
+    def next_pass(self) -> int | None:
+        """Draft the rows that are due and return the slot the image's next pass feeds up to, or None when the image
+        is done. A window needing no new states (nothing changed since the last pass) is judged at once."""
+        from specgen.decoding.ssd import draft_due  # ssd delegates to this module
+
+        st, win, H = self.st, self.win, self.st.g.height
+        if st.cached < st.g.prefix_len:
+            return st.g.prefix_len  # the prefill
+        while True:
+            draft_due(st, win, self.drafter, self.vertical, self.draft_temperature)
+            if not win.live().any():
+                if not (win.next_row < H).any():
+                    return None
+                continue
+            end = win.pass_end()
+            if st.cached < end:
+                if not (win.next_row < H).any():
+                    self.flush += 1
+                return end
+            win.judge(self.accept_map, self.rounds_used)
+
+    def after_pass(self) -> None:
+        if self.win.pos.numel():  # not after the prefill: nothing is drafted yet
+            self.win.judge(self.accept_map, self.rounds_used)
+
+
+@torch.no_grad()
+def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, cfg_scale: float,
+                    temperature: float, top_k: int | None, rngs, rounds: int, vertical: bool,
+                    max_window_rows: int | None, draft_temperature: float | None, redraft: int):
+    """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring)."""
+    expect_int("slots", slots, 1)
+    new_cache = getattr(backbone, "new_ragged_cache", None)
+    if new_cache is None:
+        raise ValueError(f"slots={slots} (continuous batching) needs a backbone with per-row cache lengths "
+                         f"(new_ragged_cache); {type(backbone).__name__} has none: set slots=null to decode fixed "
+                         f"batches")
+    N = len(prompts)
+    if rngs is not None and len(rngs) != N:
+        raise ValueError(f"{len(rngs)} random streams for {N} prompts: give one per prompt (make_rngs)")
+    sampling = dict(cfg_scale=cfg_scale, temperature=temperature, top_k=top_k)
+    reps = 2 if cfg_scale != 1.0 else 1
+    g = backbone.grid.at(prompts.rows(reps == 2).length)
+    S = min(slots, N)
+    cache = new_cache(S * reps, g.position(g.height, 0))
+    queue = iter(range(N))
+    running: list[_Image | None] = [None] * S
+    ends: list[int | None] = [None] * S
+    done: dict[int, _Image] = {}
+    nfe = 0
+    while True:
+        for s in range(S):  # every slot: its image's next pass, or the next prompt's prefill
+            while ends[s] is None:
+                if running[s] is not None:
+                    done[running[s].index] = running[s]
+                    running[s] = None
+                i = next(queue, None)
+                if i is None:
+                    break
+                running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], drafter,
+                                    rounds, vertical, max_window_rows, draft_temperature, redraft, sampling)
+                ends[s] = running[s].next_pass()
+        feeding = [s for s in range(S) if ends[s] is not None]
+        if not feeding:
+            break
+        inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
+        q = max(emb.shape[1] for _, emb, _ in inputs)
+        rows = torch.tensor([s + k * S for s in feeding for k in range(reps)], device=backbone.device)
+        at = torch.full((rows.numel(), q), -1, dtype=torch.long, device=rows.device)
+        embeds = inputs[0][1].new_zeros(rows.numel(), q, inputs[0][1].shape[-1])
+        for j, (_, emb, pos) in enumerate(inputs):
+            at[j * reps:(j + 1) * reps, :pos.numel()] = pos
+            embeds[j * reps:(j + 1) * reps, :pos.numel()] = emb
+        cache.feed(rows, at)
+        hidden = backbone.forward_embeds(embeds, at.clamp_min(0), cache, cache.mask(at, embeds.dtype))
+        nfe += 1
+        for j, (s, (start, _, pos)) in enumerate(zip(feeding, inputs)):
+            img = running[s]
+            img.st.pass_done(start, hidden[j * reps:(j + 1) * reps, :pos.numel()])
+            img.after_pass()
+            ends[s] = img.next_pass()
+    return _collect([done[i] for i in range(N)], nfe, S)
+
+
+def _collect(images: list[_Image], nfe: int, slots: int):
+    """The stream's codes and stats, per image in prompt order."""
+    codes = torch.cat([img.st.codes() for img in images])
+    cat = lambda xs: torch.cat(xs) if xs[0].ndim else torch.stack(xs)  # noqa: E731
+    per = {k: cat([img.win.pass_stats()[k] for img in images]) for k in images[0].win.pass_stats()}
+    passes = torch.tensor([float(img.st.nfe) for img in images], device=codes.device)
+    g = images[0].st.g
+    accept_map = torch.cat([img.accept_map for img in images])
+    return codes, {"nfe": nfe, "draft_calls": sum(img.st.draft_calls for img in images),
+                   "tokens_per_pass": len(images) * g.num_visual_tokens / nfe,
+                   "accept_rate": accept_map.float().mean((1, 2)),
+                   "rounds_per_row": torch.cat([img.rounds_used for img in images]).float().mean(1),
+                   "accept_map": accept_map, "unchecked_tokens": torch.zeros(len(images), device=codes.device),
+                   "image_passes": passes, "flush_passes": sum(img.flush for img in images) / len(images),
+                   "slot_occupancy": float(passes.sum()) / (nfe * slots),
+                   "state_slots": max(img.st.hid.peak_slots for img in images), **per}

@@ -1,0 +1,53 @@
+"""RaggedCache: rows that feed different slots in one forward, roll back and restart on their own, against a
+plain causal forward of each row's whole sequence."""
+import pytest
+import torch
+
+from specgen.backbones.ragged_cache import RaggedCache
+from specgen.backbones.shapes_llama import ShapesLlama
+
+
+def _feed(bb, cache, chunks, seqs):
+    """One forward: chunks [(row, start, end, source row of seqs)], padded to the longest."""
+    rows = torch.tensor([r for r, *_ in chunks])
+    q = max(b - a for _, a, b, _ in chunks)
+    slots = torch.full((len(chunks), q), -1)
+    emb = torch.zeros(len(chunks), q, bb.hidden_size)
+    for i, (_, a, b, src) in enumerate(chunks):
+        slots[i, :b - a] = torch.arange(a, b)
+        emb[i, :b - a] = bb.embed(seqs[src, a:b])
+    cache.feed(rows, slots)
+    return bb.forward_embeds(emb, slots.clamp_min(0), cache, cache.mask(slots, emb.dtype))
+
+
+def test_ragged_rows_equal_a_causal_forward_of_each_row():
+    torch.manual_seed(0)
+    bb = ShapesLlama(preset="tiny", grid_size=4).eval()
+    T = bb.grid.seq_len
+    seqs = torch.randint(0, 100, (4, T))  # rows 0-2: the sequences; row 3: another one row 2 feeds, then drops
+    with torch.no_grad():
+        ref = bb.forward_hidden(seqs, torch.arange(T))
+        cache = bb.new_ragged_cache(3, T)
+        got = torch.zeros_like(ref[:3])
+        _feed(bb, cache, [(0, 0, 10, 0), (1, 0, 25, 1), (2, 0, 5, 2)], seqs)
+        _feed(bb, cache, [(2, 5, 20, 3)], seqs)  # row 2 feeds other tokens at 5..19, later rolled back to 5
+        h = _feed(bb, cache, [(0, 10, 30, 0), (2, 5, T, 2)], seqs)
+        got[0, 10:30], got[2, 5:] = h[0, :20], h[1, :T - 5]
+        h = _feed(bb, cache, [(1, 25, 26, 1), (0, 30, T, 0)], seqs)
+        got[1, 25], got[0, 30:] = h[0, 0], h[1, :T - 30]
+        got[1, 26:] = _feed(bb, cache, [(1, 26, T, 1)], seqs)[0]
+        for row, start in ((0, 10), (1, 25), (2, 5)):
+            torch.testing.assert_close(got[row, start:], ref[row, start:], rtol=1e-5, atol=1e-5)
+        # a row starts a new sequence at slot 0 while another keeps its entries
+        h = _feed(bb, cache, [(0, 0, T, 3), (1, T - 1, T, 1)], seqs)
+        torch.testing.assert_close(h[0], ref[3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h[1, 0], ref[1, T - 1], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_cache_rejects_bad_feeds():
+    bb = ShapesLlama(preset="tiny", grid_size=4)
+    cache = bb.new_ragged_cache(2, 10)
+    with pytest.raises(ValueError, match="past the cache's 10 slots"):
+        cache.feed(torch.tensor([0]), torch.tensor([[9, 10]]))
+    with pytest.raises(ValueError, match=r"rows \(R,\) and slots \(R, q\)"):
+        cache.feed(torch.tensor([0, 1]), torch.tensor([[1, 2]]))
