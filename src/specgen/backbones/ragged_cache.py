@@ -12,8 +12,9 @@ slot s see its row's entries at slots <= s and nothing else, so
   attend to them (a token at slot s only sees slots <= s, and every slot below s is fed before or with it);
 - a row can start a new sequence at slot 0 while the others go on (continuous batching).
 
-The layers return the whole preallocated buffer, so attention spans `length + 1` keys per query whatever a row
-has written: cheap for the embedded world's 300-slot sequences. Position ids are the slots (the caller passes them).
+The layers return the buffer up to the highest slot fed (`visible`), so attention spans that many keys per query
+whatever a row has written: cheap for the embedded world's 300-slot sequences. Position ids are the slots (the
+caller passes them).
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class RaggedLayer(CacheLayerMixin):
-    """One layer's keys and values (rows, kv heads, length + 1, head dim), written at per-row slots."""
+    """One layer's keys and values, stored (rows, length + 1, kv heads, head dim) so that a feed is one row-major
+    `index_copy_`, returned as (rows, kv heads, keys, head dim) views over the slots any fed token can see."""
 
     def __init__(self, owner: "RaggedCache", rows: int, heads: int, length: int, head_dim: int, dtype, device):
         super().__init__()
         self.owner = owner
-        self.keys = torch.zeros(rows, heads, length + 1, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.buf_k = torch.zeros(rows, length + 1, heads, head_dim, dtype=dtype, device=device)
+        self.buf_v = torch.zeros_like(self.buf_k)
         self.is_initialized = True
         self.device = device
 
@@ -36,21 +38,25 @@ class RaggedLayer(CacheLayerMixin):
         return None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        rows, at = self.owner.rows, self.owner.write_at  # (R,), (R, q)
-        self.keys[rows[:, None], :, at] = key_states.transpose(1, 2).to(self.keys.dtype)  # (R, q, heads, d)
-        self.values[rows[:, None], :, at] = value_states.transpose(1, 2).to(self.values.dtype)
-        if self.owner.all_rows:
-            return self.keys, self.values
-        return self.keys[rows], self.values[rows]
+        o = self.owner
+        R, T1, h, d = self.buf_k.shape
+        flat = (o.rows[:, None] * T1 + o.write_at).flatten()  # (R' q,) rows x slots in the flat buffer
+        for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
+            buf.view(R * T1, h, d).index_copy_(0, flat, new.transpose(1, 2).reshape(-1, h, d).to(buf.dtype))
+        keys, values = self.buf_k[:, :o.visible], self.buf_v[:, :o.visible]
+        if not o.all_rows:
+            keys, values = keys[o.rows], values[o.rows]
+        self.keys, self.values = keys.transpose(1, 2), values.transpose(1, 2)
+        return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.owner.visible, 0
 
     def get_seq_length(self) -> int:
-        return self.keys.shape[2]
+        return self.owner.visible
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.buf_k.shape[1] - 1
 
 
 class RaggedCache(Cache):
@@ -63,6 +69,7 @@ class RaggedCache(Cache):
         self.rows = torch.arange(rows, device=device)
         self.write_at = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.all_rows = True
+        self.visible = 1  # keys a forward attends over: slots [0, visible), the highest fed slot's and below
 
     @classmethod
     def for_config(cls, config, rows: int, length: int, dtype, device) -> "RaggedCache":
@@ -81,16 +88,18 @@ class RaggedCache(Cache):
         self.rows = rows
         self.all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows, device=rows.device)).all())
         self.write_at = torch.where(slots < 0, self.length, slots)
+        self.visible = int(slots.max()) + 1 if slots.numel() and int(slots.max()) >= 0 else 1
 
     def mask(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive attention mask (R, 1, q, length + 1) for tokens at `slots` (R, q): a token sees its row's slots
-        up to its own; padding sees slot 0 only (its output is discarded; a row of -inf would give NaNs)."""
-        keys = torch.arange(self.length + 1, device=slots.device)
+        """Additive attention mask (R, 1, q, visible) for the tokens at `slots` (R, q) of the last `feed`: a token
+        sees its row's slots up to its own; padding sees slot 0 only (its output is discarded; a row of -inf would
+        give NaNs)."""
+        keys = torch.arange(self.visible, device=slots.device)
         own = slots.clamp_min(0)[..., None]  # (R, q, 1)
-        allowed = (keys <= own) & (keys < self.length)
+        allowed = keys <= own
         allowed = torch.where((slots < 0)[..., None], keys == 0, allowed)
         out = torch.zeros(allowed.shape, dtype=dtype, device=slots.device)
         return out.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length + 1
+        return self.visible

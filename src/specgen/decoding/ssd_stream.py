@@ -87,6 +87,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
     g = backbone.grid.at(prompts.rows(reps == 2).length)
     S = min(slots, N)
     cache = new_cache(S * reps, g.position(g.height, 0))
+    all_rows = torch.arange(S * reps, device=backbone.device)
     queue = iter(range(N))
     running: list[_Image | None] = [None] * S
     ends: list[int | None] = [None] * S
@@ -109,18 +110,18 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
         q = max(emb.shape[1] for _, emb, _ in inputs)
-        rows = torch.tensor([s + k * S for s in feeding for k in range(reps)], device=backbone.device)
-        at = torch.full((rows.numel(), q), -1, dtype=torch.long, device=rows.device)
-        embeds = inputs[0][1].new_zeros(rows.numel(), q, inputs[0][1].shape[-1])
-        for j, (_, emb, pos) in enumerate(inputs):
-            at[j * reps:(j + 1) * reps, :pos.numel()] = pos
-            embeds[j * reps:(j + 1) * reps, :pos.numel()] = emb
-        cache.feed(rows, at)
+        # every cache row takes part (an idle slot's rows are padding): no row subsets to gather per layer
+        at = torch.full((S * reps, q), -1, dtype=torch.long, device=backbone.device)
+        embeds = inputs[0][1].new_zeros(S * reps, q, inputs[0][1].shape[-1])
+        for s, (_, emb, pos) in zip(feeding, inputs):
+            at[s::S, :pos.numel()] = pos  # the slot's rows: s, s + S (its CFG row)
+            embeds[s::S, :pos.numel()] = emb
+        cache.feed(all_rows, at)
         hidden = backbone.forward_embeds(embeds, at.clamp_min(0), cache, cache.mask(at, embeds.dtype))
         nfe += 1
-        for j, (s, (start, _, pos)) in enumerate(zip(feeding, inputs)):
+        for s, (start, _, pos) in zip(feeding, inputs):
             img = running[s]
-            img.st.pass_done(start, hidden[j * reps:(j + 1) * reps, :pos.numel()])
+            img.st.pass_done(start, hidden[s::S, :pos.numel()])
             img.after_pass()
             ends[s] = img.next_pass()
     return _collect([done[i] for i in range(N)], nfe, S)
