@@ -427,3 +427,34 @@ def test_continuous_batching_refuses_what_it_cannot_serve():
 
     with pytest.raises(ValueError, match="new_ragged_cache"):
         ssd.generate(NoRagged(m), p, noisy_drafter(m), carry=True, slots=2)
+
+
+def test_row_final_pass_records_when_each_row_is_done():
+    """row_final_pass: non-decreasing along the rows; with carry its last entry is the image's passes; the paper's
+    rule spends at most rounds + 1 passes per row (the first after the prefill)."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS)
+    _, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rngs=make_rngs(range(3)), rounds=0, carry=True)
+    rf = st["row_final_pass"]
+    assert rf.shape == (3, 6) and bool((rf[:, 1:] >= rf[:, :-1]).all()) and bool((rf > 1).all())
+    assert torch.equal(rf[:, -1].float(), st["image_passes"])
+    _, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rngs=make_rngs(range(3)), rounds=2)
+    steps = torch.diff(torch.cat([torch.ones(3, 1, dtype=torch.long), st["row_final_pass"]], 1), dim=1)
+    assert bool((steps >= 1).all()) and bool((steps <= 3).all()) and int(st["row_final_pass"][0, -1]) == st["nfe"]
+
+
+def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
+    import json
+
+    import numpy as np
+
+    from specgen.analysis import row_passes
+
+    s = row_passes.summarise(np.array([[3.0, 5, 7, 9], [5.0, 7, 9, 11]]), width=4, rounds=2)
+    assert s["passes"] == [4, 6, 8, 10] and s["passes_per_row"] == pytest.approx(2.0)
+    assert s["ratio"] == pytest.approx([4 / 4, 8 / 6, 12 / 8, 16 / 10]) and s["rounds_plus_one"] == 3
+    out = row_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
+                           "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "row_passes.json").read_text())
+    assert set(saved) == set(out) == set(row_passes.STRATEGIES) and (tmp_path / "row_passes.png").stat().st_size > 0
+    assert all(len(r["passes"]) == 16 and r["images"] == 2 for r in saved.values())

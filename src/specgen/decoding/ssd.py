@@ -138,7 +138,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
-    with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included)."""
+    with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included);
+    stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
+    when each row was final."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
                    draft_temperature)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
@@ -158,6 +160,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
+    row_final = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # the batch's passes when each row was done
     for r in range(g.height):
         cols = g.position(r, torch.arange(g.width, device=dev))  # (W,)
         if r:  # drafts read the row above's states from the one before its first token on
@@ -173,10 +176,12 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
         else:
             accept_map[:, r], rounds_used[:, r], row_unchecked = _verify_autocorrect(st, cols, q, rounds)
             unchecked += row_unchecked
+        row_final[:, r] = st.nfe
     codes = st.codes()
     stats = {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
-             "accept_map": accept_map, "unchecked_tokens": unchecked.float(), "state_slots": st.hid.peak_slots}
+             "accept_map": accept_map, "unchecked_tokens": unchecked.float(), "row_final_pass": row_final,
+             "state_slots": st.hid.peak_slots}
     return codes, stats
 
 
@@ -228,7 +233,8 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
     return codes, {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
                    "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
                    "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
-                   "image_passes": (win.passes + 1).float(), "flush_passes": flush, "state_slots": st.hid.peak_slots,
+                   "image_passes": (win.passes + 1).float(), "row_final_pass": win.row_final,
+                   "flush_passes": flush, "state_slots": st.hid.peak_slots,
                    **win.pass_stats()}
 
 

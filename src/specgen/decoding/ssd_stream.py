@@ -140,6 +140,7 @@ def _collect(images: list[_Image], nfe: int, slots: int):
                    "accept_rate": accept_map.float().mean((1, 2)),
                    "rounds_per_row": torch.cat([img.rounds_used for img in images]).float().mean(1),
                    "accept_map": accept_map, "unchecked_tokens": torch.zeros(len(images), device=codes.device),
-                   "image_passes": passes, "flush_passes": sum(img.flush for img in images) / len(images),
+                   "image_passes": passes, "row_final_pass": torch.cat([img.win.row_final for img in images]),
+                   "flush_passes": sum(img.flush for img in images) / len(images),
                    "slot_occupancy": float(passes.sum()) / (nfe * slots),
                    "state_slots": max(img.st.hid.peak_slots for img in images), **per}

@@ -30,6 +30,7 @@ class CarryWindow:
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
         self.spent = torch.zeros(B, dtype=torch.long, device=dev)  # passes on the image's newest row
         self.passes = torch.zeros(B, dtype=torch.long, device=dev)  # passes each image took part in
+        self.row_final = torch.full((B, g.height), -1, dtype=torch.long, device=dev)  # its passes when a row was final
         self.first_row = torch.full((B,), -1, dtype=torch.long, device=dev)  # row awaiting its first pass
         self.pos = torch.zeros(0, dtype=torch.long, device=dev)  # (n,) union window, ascending
         self.prop = torch.zeros(B, 0, g.num_visual, device=dev)  # (B, n, V) proposal of each window token
@@ -139,6 +140,8 @@ class CarryWindow:
             self.prop[b, slots], self.fresh[b, slots] = q, True
         self.spent[act] += 1
         self.passes[act] += 1
+        done = torch.arange(g.height, device=pos.device)[None] < self.frontier_row()[:, None]  # (B, H) rows final
+        self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
 

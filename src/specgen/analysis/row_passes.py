@@ -1,0 +1,116 @@
+"""How SSD's target passes grow along the rows: the passes an image has spent when its first k rows are final,
+k = 1..H, for SSD with carry (the default) and the paper's auto-correction, at batch 1 on held-out prompts.
+
+This is the grid-scaling argument measured on one grid. The paper's rule spends at most r + 1 passes on a row
+whatever its width, so passes grow as O(n) on an n x n grid and the speed-up as n / (r + 1). With carry a pass
+finalises the window up to its first change, so a row of W tokens costs about 1 + (changes that end a pass) passes,
+which grows with W: the per-row slope, against W and r + 1, says which regime a strategy is in.
+
+    python -m specgen.analysis.row_passes --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
+        --drafter checkpoints/fphi_accept --prompts 32 --out logs/row_passes
+
+-> <out>/row_passes.json (mean passes per k with 95% intervals, the linear fit per strategy), row_passes.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specgen.backbones.loading import load_shapes_generator
+from specgen.decoding import ssd
+from specgen.decoding.sampling import make_rngs
+from specgen.evaluation.benchmarks import mixed_prompts
+from specgen.utils.checkpoints import atomic_write_text, load_exported
+
+STRATEGIES = {  # name -> ssd.generate options (the repo's default and the paper's rule, configs/decoding/)
+    "ssd (carry, r = 0)": dict(rounds=0, carry=True, max_window_rows=2),
+    "ssd_paper (r = 2)": dict(rounds=2, carry=False),
+}
+
+
+@torch.no_grad()
+def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: int = 0) -> dict:
+    """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary."""
+    out = {}
+    for name, options in STRATEGIES.items():
+        rows = []
+        for i, text in enumerate(prompts):
+            _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
+                                    rngs=make_rngs([seed + i]), **options)
+            rows.append(stats["row_final_pass"][0].float())
+        out[name] = summarise(torch.stack(rows).numpy(), backbone.grid.width, options.get("rounds", 0))
+    return out
+
+
+def summarise(passes: np.ndarray, width: int, rounds: int) -> dict:
+    """passes (N, H) -> mean and 95% interval per k, the ratio against AR's k x W passes, and the least-squares slope
+    of passes per row over rows 2..H (the first row is drafted horizontally)."""
+    n, H = passes.shape
+    mean = passes.mean(0)
+    ci = 1.96 * passes.std(0, ddof=1) / np.sqrt(n) if n > 1 else np.zeros(H)
+    k = np.arange(1, H + 1)
+    slope, intercept = np.polyfit(k[1:], mean[1:], 1) if H > 2 else (float("nan"), float("nan"))
+    return {"images": n, "passes": mean.tolist(), "passes_ci95": ci.tolist(),
+            "ratio": (k * width / mean).tolist(), "passes_per_row": float(slope), "intercept": float(intercept),
+            "width": width, "rounds_plus_one": rounds + 1, "first_row_passes": float(mean[0])}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, r in result.items():
+        k = np.arange(1, len(r["passes"]) + 1)
+        a.errorbar(k, r["passes"], yerr=r["passes_ci95"], marker="o", ms=3, capsize=2,
+                   label=f"{name}: {r['passes_per_row']:.2f} passes / row")
+        b.plot(k, r["ratio"], marker="o", ms=3, label=name)
+    a.set_xlabel("rows final (k)")
+    a.set_ylabel("target passes spent (prefill included)")
+    a.set_title(f"passes along the rows (W = {next(iter(result.values()))['width']})")
+    a.legend(fontsize=8)
+    b.set_xlabel("rows final (k)")
+    b.set_ylabel("AR passes / SSD passes for the first k rows")
+    b.set_title("speed-up in passes as rows are added")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backbone", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts (one image each, batch 1)")
+    ap.add_argument("--cfg-scale", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
+    args = ap.parse_args(argv)
+    if args.prompts < 2:
+        ap.error(f"--prompts {args.prompts}: give at least 2 (the intervals need two images)")
+    backbone = load_shapes_generator(args.backbone, args.tokenizer)
+    drafter = load_exported(args.drafter).eval()
+    prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
+    result = row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "row_passes.json", json.dumps(result, indent=2))
+    plot(result, out / "row_passes.png")
+    H = len(next(iter(result.values()))["passes"])
+    ks = sorted({1, 2, 4, H // 2, H})
+    print(f"{'strategy':<22} {'passes/row':>10} {'r+1':>4} " + " ".join(f"{'x@' + str(k):>7}" for k in ks))
+    for name, r in result.items():
+        print(f"{name:<22} {r['passes_per_row']:>10.2f} {r['rounds_plus_one']:>4d} " +
+              " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks))
+    return result
+
+
+if __name__ == "__main__":
+    main()
