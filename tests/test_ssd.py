@@ -362,6 +362,28 @@ def test_redraft_keeps_greedy_equality_batch_invariance_and_refuses_what_it_cann
         ssd.generate(m, p, noisy_drafter(m), carry=False, redraft=2)
 
 
+def test_redraft_rows_limits_the_redrafts_to_the_first_rows():
+    """redraft_rows=1: only the first (horizontally drafted) row is re-drafted: greedy output = AR, batch = batch 1,
+    fewer re-drafts than in every row and more than none; redraft_rows=H is every row; 0 is refused."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    out, _ = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=0, carry=True, redraft=3,
+                          redraft_rows=1)
+    assert torch.equal(out, ref)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, redraft=3)
+    calls = {rows: ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), redraft_rows=rows, **kw)[1]
+             for rows in (1, 6, None)}
+    _, plain = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **dict(kw, redraft=0))
+    assert plain["draft_calls"] < calls[1]["draft_calls"] < calls[None]["draft_calls"] == calls[6]["draft_calls"]
+    out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), redraft_rows=1, **kw)
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), redraft_rows=1, **kw)
+        assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="redraft_rows"):
+        ssd.generate(m, p, noisy_drafter(m), redraft_rows=0, **kw)
+
+
 def test_sjd_samples_the_tokens_of_the_dense_reference_for_fixed_seeds(one_thread):
     """tests/fixtures/sjd_reference.pt was written by make_sjd_reference.py with SJD keeping dense (B, N, V) target
     distributions; SJD now keeps them for the Jacobi window only and must sample the same tokens with the same passes

@@ -98,7 +98,7 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 
 def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int | None,
                    max_window_rows: int | None, redraft: int, temperature: float,
-                   draft_temperature: float | None) -> None:
+                   draft_temperature: float | None, redraft_rows: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
     if carry and exact:
         raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
@@ -109,6 +109,8 @@ def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int
     if max_window_rows is not None:
         expect_int("max_window_rows", max_window_rows, 1)
     expect_int("redraft", redraft, 0)
+    if redraft_rows is not None:
+        expect_int("redraft_rows", redraft_rows, 1)
     if redraft and not carry:
         raise ValueError(f"redraft={redraft} re-drafts tokens carried to the next pass and needs carry=true (the "
                          f"paper's rule keeps no carried tokens); set redraft=0 or carry=true")
@@ -125,7 +127,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              temperature: float = 1.0, top_k: int | None = None, rngs=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
-             redraft: int = 0, slots: int | None = None):
+             redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -134,7 +136,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     final, which bounds the tokens fed per pass (null: no bound; the row budget `rounds` alone decides);
     `redraft` (carry only, beyond the paper): after a pass, up to this many tokens right of an image's first change
     (in its row) are drafted again by f_phi.right from the fresh state before the change, instead of being carried
-    with values that were judged given the replaced token (0: off, the carry rule as it was).
+    with values that were judged given the replaced token (0: off, the carry rule as it was);
+    `redraft_rows`: re-draft only in the first this many rows (1: the horizontally drafted first row; null: every row).
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -142,7 +145,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
-                   draft_temperature)
+                   draft_temperature, redraft_rows)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
     if slots is not None:
@@ -151,12 +154,13 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
                              f"carry=true; set carry=true or slots=null")
         from specgen.decoding.ssd_stream import generate_stream
         return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
-                               vertical, max_window_rows, draft_temperature, redraft)
+                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g, B, dev = st.g, st.B, st.seq.device
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
-        return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft)
+        return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft,
+                               redraft_rows)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context
@@ -212,11 +216,12 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
 
 
 def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
-                    max_window_rows: int | None, draft_temperature: float | None, redraft: int = 0):
+                    max_window_rows: int | None, draft_temperature: float | None, redraft: int = 0,
+                    redraft_rows: int | None = None):
     """`carry=True`: per-image rows over one verification window (see `ssd_window.CarryWindow`)."""
     g, B = st.g, st.B
     dev = st.seq.device
-    win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature)
+    win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature, redraft_rows)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0

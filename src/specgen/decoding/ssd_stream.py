@@ -32,10 +32,12 @@ class _Image:
     """One image of the stream: batch-1 SSD with carry, advanced between the shared passes."""
 
     def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rounds: int, vertical: bool,
-                 max_window_rows: int | None, draft_temperature: float | None, redraft: int, sampling: dict):
+                 max_window_rows: int | None, draft_temperature: float | None, redraft: int, sampling: dict,
+                 redraft_rows: int | None = None):
         self.index = index
         self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
-        self.win = CarryWindow(self.st, rounds, None, max_window_rows, redraft, drafter, draft_temperature)
+        self.win = CarryWindow(self.st, rounds, None, max_window_rows, redraft, drafter, draft_temperature,
+                               redraft_rows)
         g, dev = self.st.g, self.st.seq.device
         self.accept_map = torch.zeros(1, g.height, g.width, dtype=torch.bool, device=dev)
         self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
@@ -71,7 +73,8 @@ class _Image:
 @torch.no_grad()
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, cfg_scale: float,
                     temperature: float, top_k: int | None, rngs, rounds: int, vertical: bool,
-                    max_window_rows: int | None, draft_temperature: float | None, redraft: int):
+                    max_window_rows: int | None, draft_temperature: float | None, redraft: int,
+                    redraft_rows: int | None = None):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
@@ -103,7 +106,8 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
                 if i is None:
                     break
                 running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], drafter,
-                                    rounds, vertical, max_window_rows, draft_temperature, redraft, sampling)
+                                    rounds, vertical, max_window_rows, draft_temperature, redraft, sampling,
+                                    redraft_rows)
                 ends[s] = running[s].next_pass()
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:

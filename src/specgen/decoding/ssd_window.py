@@ -21,10 +21,12 @@ class CarryWindow:
     matmuls), and batch-1 decoding is the reference of every batch size."""
 
     def __init__(self, st: SpecState, rounds: int, max_lead: int | None, max_window_rows: int | None = None,
-                 redraft: int = 0, drafter=None, draft_temperature: float | None = None):
+                 redraft: int = 0, drafter=None, draft_temperature: float | None = None,
+                 redraft_rows: int | None = None):
         B, dev, g = st.B, st.seq.device, st.g
         self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
         self.redraft, self.drafter, self.draft_temperature = redraft, drafter, draft_temperature
+        self.redraft_rows = g.height if redraft_rows is None else redraft_rows  # re-draft only in rows below this
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
@@ -153,8 +155,9 @@ class CarryWindow:
         slots; returns (b, slots, q) for the proposals."""
         st, g, pos = self.st, self.st.g, self.pos
         at = int(pos[own[first]])
-        tail = own[first + 1: first + 1 + self.redraft]
-        tail = tail[g.row_col(pos[tail])[0] == g.row_col(pos[own[first]])[0]]  # the changed token's row only
+        row = g.row_col(pos[own[first]])[0]
+        tail = own[first + 1: first + 1 + self.redraft] if int(row) < self.redraft_rows else own[:0]
+        tail = tail[g.row_col(pos[tail])[0] == row]  # the changed token's row only
         if not tail.numel():
             return b, tail, self.prop.new_zeros(0, g.num_visual)
         rep = torch.tensor([b + k * st.B for k in range(st.reps)], device=pos.device)
