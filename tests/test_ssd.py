@@ -480,3 +480,11 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
     saved = json.loads((tmp_path / "row_passes.json").read_text())
     assert set(saved) == set(out) == set(row_passes.STRATEGIES) and (tmp_path / "row_passes.png").stat().st_size > 0
     assert all(len(r["passes"]) == 16 and r["images"] == 2 for r in saved.values())
+    assert row_passes.parse_variant("dt=rounds:0,carry:true,draft_temperature:0.5,max_window_rows:null") == \
+        ("dt", {"rounds": 0, "carry": True, "draft_temperature": 0.5, "max_window_rows": None})
+    with pytest.raises(ValueError, match="NAME=key:value"):
+        row_passes.parse_variant("rounds:0")
+    out = row_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
+                           "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
+                           "--variant", "a=rounds:0,carry:true", "--variant", "b=rounds:0,carry:true,redraft:2"])
+    assert list(out) == ["a", "b"]

@@ -10,6 +10,9 @@ which grows with W: the per-row slope, against W and r + 1, says which regime a 
         --drafter checkpoints/fphi_accept --prompts 32 --out logs/row_passes
 
 -> <out>/row_passes.json (mean passes per k with 95% intervals, the linear fit per strategy), row_passes.png.
+`--variant NAME=key:value,...` replaces the two strategies by `ssd.generate` option sets (values parsed as YAML),
+e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2 --variant dt05=rounds:0,carry:true,max_window_rows:2,
+draft_temperature:0.5`: every variant on the same prompts and per-image seeds.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from specgen.backbones.loading import load_shapes_generator
 from specgen.decoding import ssd
@@ -32,11 +36,27 @@ STRATEGIES = {  # name -> ssd.generate options (the repo's default and the paper
 }
 
 
+def parse_variant(text: str) -> tuple[str, dict]:
+    """'name=key:value,key:value' -> (name, options); values are YAML scalars (0, true, null, 0.5)."""
+    name, sep, body = text.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--variant {text!r}: write NAME=key:value,key:value (e.g. dt05=rounds:0,carry:true,"
+                         f"draft_temperature:0.5)")
+    options = {}
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise ValueError(f"--variant {text!r}: {item!r} is not key:value")
+        options[key.strip()] = yaml.safe_load(value)
+    return name, options
+
+
 @torch.no_grad()
-def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: int = 0) -> dict:
+def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: int = 0,
+               strategies: dict | None = None) -> dict:
     """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary."""
     out = {}
-    for name, options in STRATEGIES.items():
+    for name, options in (strategies or STRATEGIES).items():
         rows = []
         for i, text in enumerate(prompts):
             _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
@@ -92,23 +112,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cfg-scale", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
+    ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
+                    help="an ssd.generate option set instead of the two default strategies (repeatable)")
     args = ap.parse_args(argv)
     if args.prompts < 2:
         ap.error(f"--prompts {args.prompts}: give at least 2 (the intervals need two images)")
     backbone = load_shapes_generator(args.backbone, args.tokenizer)
     drafter = load_exported(args.drafter).eval()
     prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
-    result = row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed)
+    strategies = dict(parse_variant(v) for v in args.variant) if args.variant else None
+    result = row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed, strategies)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "row_passes.json", json.dumps(result, indent=2))
     plot(result, out / "row_passes.png")
     H = len(next(iter(result.values()))["passes"])
     ks = sorted({1, 2, 4, H // 2, H})
-    print(f"{'strategy':<22} {'passes/row':>10} {'r+1':>4} " + " ".join(f"{'x@' + str(k):>7}" for k in ks))
+    print(f"{'strategy':<22} {'passes (95%)':>14} {'row 1':>6} {'passes/row':>10} {'r+1':>4} " +
+          " ".join(f"{'x@' + str(k):>7}" for k in ks))
     for name, r in result.items():
-        print(f"{name:<22} {r['passes_per_row']:>10.2f} {r['rounds_plus_one']:>4d} " +
-              " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks))
+        total = f"{r['passes'][-1]:.1f} +-{r['passes_ci95'][-1]:.1f}"
+        print(f"{name:<22} {total:>14} {r['first_row_passes']:>6.1f} {r['passes_per_row']:>10.2f} "
+              f"{r['rounds_plus_one']:>4d} " + " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks))
     return result
 
 
