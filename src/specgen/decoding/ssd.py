@@ -98,8 +98,11 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 
 def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int | None,
                    max_window_rows: int | None, redraft: int, temperature: float,
-                   draft_temperature: float | None, redraft_rows: int | None = None) -> None:
+                   draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
+    if slots is not None and not carry:
+        raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
+                         f"carry=true; set carry=true or slots=null")
     if carry and exact:
         raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
                          "right and never carries any; set one of them to false")
@@ -145,22 +148,26 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
-                   draft_temperature, redraft_rows)
+                   draft_temperature, redraft_rows, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
     if slots is not None:
-        if not carry:
-            raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
-                             f"carry=true; set carry=true or slots=null")
         from specgen.decoding.ssd_stream import generate_stream
         return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
                                vertical, max_window_rows, draft_temperature, redraft, redraft_rows)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
-    g, B, dev = st.g, st.B, st.seq.device
+    g = st.g
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
         return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft,
                                redraft_rows)
+    return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature)
+
+
+def _generate_rows(st: SpecState, drafter, rounds: int, exact: bool, vertical: bool,
+                   draft_temperature: float | None):
+    """The paper's auto-correction (or `exact`): the batch's rows in lockstep, each drafted then verified."""
+    g, B, dev = st.g, st.B, st.seq.device
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     unchecked = torch.zeros(B, dtype=torch.long, device=dev)  # tokens never checked against their final context

@@ -46,6 +46,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _add_extra(extra: dict, stats: dict, images: int) -> None:
+    """Collect a call's other statistics: per call (scalars) or per image (1-D, one per prompt; averaged over
+    images later)."""
+    for k, v in stats.items():
+        if k in ("nfe", "draft_calls"):
+            continue
+        if isinstance(v, (int, float)):
+            extra.setdefault(k, []).append(float(v))
+        elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == images:
+            extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
+
+
 def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: int = 1, seed: int = 0,
             stream: bool = False) -> dict:
     """Latency/throughput/NFE/memory of one strategy at one batch size. `stream` (batch sizes above 1): the
@@ -68,13 +80,7 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
             wall += time.perf_counter() - t0
             nfe.append(stats["nfe"])
             drafts.append(stats.get("draft_calls", 0))
-            for k, v in stats.items():  # other statistics: per batch (scalars) or per image (1-D, one per prompt)
-                if k in ("nfe", "draft_calls"):
-                    continue
-                if isinstance(v, (int, float)):
-                    extra.setdefault(k, []).append(float(v))
-                elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(x):  # averaged over images
-                    extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
+            _add_extra(extra, stats, len(x))
             n += len(x)
     # 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count such as AR's
     nfe_ci = 1.96 * float(np.std(nfe, ddof=1)) / np.sqrt(len(nfe)) if len(nfe) > 1 else 0.0
@@ -103,13 +109,7 @@ def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats
         nfe.append(stats["nfe"] * slots / len(prompts))
         drafts.append(stats.get("draft_calls", 0) * slots / len(prompts))
         per_image += stats["image_passes"].float().cpu().tolist()
-        for k, v in stats.items():
-            if k in ("nfe", "draft_calls"):
-                continue
-            if isinstance(v, (int, float)):
-                extra.setdefault(k, []).append(float(v))
-            elif isinstance(v, torch.Tensor) and v.dim() == 1 and len(v) == len(prompts):
-                extra.setdefault(k, []).extend(v.detach().float().cpu().tolist())
+        _add_extra(extra, stats, len(prompts))
     n = len(prompts) * repeats
     mean_nfe = float(np.mean(nfe))
     rel = 1.96 * float(np.std(per_image, ddof=1)) / np.sqrt(len(per_image)) / float(np.mean(per_image)) \
