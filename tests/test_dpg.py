@@ -41,6 +41,9 @@ def test_dependency_zeroing_transitive_vs_official_order():
     assert score_image(grid, qs, Scripted({1, 2, 3}), mode="fixed")[0] == 1.0
     s = summarize([1.0, 0.5], {"entity - whole": [1.0, 0.0], "entity - part": [1.0]}, failed=1)
     assert s["overall"] == 75.0 and s["L1/entity"] == pytest.approx(200 / 3) and s["num_failed"] == 1
+    # 95% interval over the prompts: 100 x 1.96 x sample std / sqrt(n); std of (1, 0.5) = sqrt(0.125)
+    assert s["overall_ci95"] == pytest.approx(100 * 1.96 * 0.125 ** 0.5 / 2 ** 0.5)
+    assert summarize([1.0], {}, failed=0)["overall_ci95"] == 0.0
 
 
 def test_grid_and_crops_have_no_padding():

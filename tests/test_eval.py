@@ -244,6 +244,15 @@ def test_summary_table_keeps_its_columns_for_long_strategy_names():
     assert lines[2].startswith("cspd_t10_noalign_long ")
 
 
+def test_summary_table_prints_dpg_with_its_interval():
+    from specgen.evaluation.runner import summary_rows
+
+    m = {"ar/dpg/overall": 81.07, "ar/dpg/overall_ci95": 5.24, "ssd/dpg/overall": 70.9}
+    heads, rows = summary_rows(m, ["ar", "ssd"], [1])
+    col = heads.index("DPG")
+    assert rows[0][col] == "81.1 +-5.2" and rows[1][col] == "70.9"  # a run without the interval prints the value
+
+
 def test_speed_averages_per_image_statistics_over_images():
     """Per-image statistics (1-D, one value per prompt, as SSD's accept_rate and image_passes) are averaged over
     all images of all batches; per-batch scalars over batches."""

@@ -220,7 +220,7 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
     """(column headings, one row of cells per strategy): passes (at the largest batch size) and pass ratios against
     the reference (per batch size when there are several; a streaming strategy's at batch > 1 are per batch of that
     size, see `speed.measure`), wall-clock ratios, tokens per pass,
-    and every quality benchmark that ran (GenEval with its 95% interval, DPG, CLIPScore, FID with its sample
+    and every quality benchmark that ran (GenEval and DPG with their 95% intervals, CLIPScore, FID with its sample
     size); '-' where a strategy has no value."""
     ratios = [("speed/nfe_ratio", "nfe ratio", "{:.2f}")] if len(batch_sizes) < 2 else \
         [(f"speed/nfe_ratio_bs{b}", f"nfe x bs{b}", "{:.2f}") for b in batch_sizes]
@@ -237,12 +237,20 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
     heads += ["GenEval (95%)"] if has_geneval else []
     rows = []
     for n in names:
-        cells = [n] + [fmt.format(metrics[f"{n}/{key}"]) if f"{n}/{key}" in metrics else "-" for key, _, fmt in cols]
+        cells = [n] + [_cell(metrics, f"{n}/{key}", fmt) for key, _, fmt in cols]
         if has_geneval:
             q, ci = metrics.get(f"{n}/geneval/overall"), metrics.get(f"{n}/geneval/overall_ci95", 0.0)
             cells.append(f"{q:.3f} +-{ci:.3f}" if q is not None else "-")
         rows.append(cells)
     return heads, rows
+
+
+def _cell(metrics: dict[str, float], key: str, fmt: str) -> str:
+    """One table cell: the value, with its 95% interval where the run measured one (DPG), or '-'."""
+    if key not in metrics:
+        return "-"
+    ci = metrics.get(f"{key}_ci95") if key.endswith("dpg/overall") else None
+    return fmt.format(metrics[key]) + ("" if ci is None else f" +-{fmt.format(ci)}")
 
 
 def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
