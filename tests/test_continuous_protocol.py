@@ -140,7 +140,10 @@ def test_the_shipped_pair_gives_the_outputs_of_the_code_before_the_protocol(case
     name, decoder, options = case
     ref = torch.load(FIXTURES / "cspd_reference.pt", weights_only=True)[name]
     tokens, st = run_case(*load_pair(), decoder, options)
-    assert torch.allclose(tokens, ref["tokens"], atol=1e-5, rtol=0)
+    # the fixture was written on an AVX2-only CPU; on an AVX-512 one the same seeds give the same decisions (every
+    # statistic below equal) and tokens within 2.1e-3 (values up to about 6): the float kernels round differently
+    # along 100-step chains. A change of the decoding logic moves tokens by O(1) and changes the statistics.
+    assert torch.allclose(tokens, ref["tokens"], atol=1e-2, rtol=0)
     per_step = {k: st.pop(k) for k in ("step_drafted", "step_accepted") if k in st}  # counted since the fixture
     assert {k: float(v) for k, v in st.items()} == pytest.approx(ref["stats"])
     if per_step:
