@@ -165,7 +165,9 @@ def test_ddim_tail_changes_the_sampler_for_both_models():
     assert not torch.allclose(a, b, atol=1e-3) and st["target_head_evals"] == 16 * 5 * 2
     out, cs = cspd.generate(m, PROMPTS, make_rngs([1, 2]), m, num_iter=4, ddim_tail=3, ratio="exact",
                             verify="stepwise", prefill_ratio=0.0)
-    assert cs["accept_rate"] == 1.0 and torch.allclose(out, b, atol=1e-5)
+    # the same draws; the chains run in other batch shapes, which AVX-512 kernels round differently (2.3e-5 on
+    # values up to 10)
+    assert cs["accept_rate"] == 1.0 and torch.allclose(out, b, atol=1e-4)
 
 
 def test_cspd_bad_inputs():
