@@ -521,3 +521,13 @@ def test_speed_streams_prompts_through_slots_and_counts_passes_per_batch():
     assert out["ssd/speed/nfe_bs1"] == 10 and out["ssd/speed/stream_bs4"] == 1
     with pytest.raises(ValueError, match="give 12"):
         compare(Fake(), {"ar": fixed}, prompts[:8], [1, 4], min_batches=3, num_prompts=4)
+
+
+def test_mean_ci95_by_hand():
+    from specgen.utils.stats import mean_ci95
+
+    assert mean_ci95([1.0, 3.0]) == pytest.approx(1.96 * 2 ** 0.5 / 2 ** 0.5)  # sample std of (1, 3) = sqrt(2)
+    assert mean_ci95([5.0]) == 0.0 and mean_ci95([2.0, 2.0, 2.0]) == 0.0
+    per_col = mean_ci95(np.array([[1.0, 0.0], [3.0, 0.0]]), axis=0)
+    assert per_col.shape == (2,) and per_col[0] == pytest.approx(1.96) and per_col[1] == 0.0
+    assert mean_ci95(np.ones((1, 3)), axis=0).tolist() == [0.0, 0.0, 0.0]

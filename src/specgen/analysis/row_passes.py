@@ -29,6 +29,7 @@ from specgen.decoding import ssd
 from specgen.decoding.sampling import make_rngs
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
+from specgen.utils.stats import mean_ci95
 
 STRATEGIES = {  # name -> ssd.generate options (the repo's default and the paper's rule, configs/decoding/)
     "ssd (carry, r = 0)": dict(rounds=0, carry=True, max_window_rows=2),
@@ -71,7 +72,7 @@ def summarise(passes: np.ndarray, width: int, rounds: int) -> dict:
     of passes per row over rows 2..H (the first row is drafted horizontally)."""
     n, H = passes.shape
     mean = passes.mean(0)
-    ci = 1.96 * passes.std(0, ddof=1) / np.sqrt(n) if n > 1 else np.zeros(H)
+    ci = mean_ci95(passes, axis=0)
     k = np.arange(1, H + 1)
     slope, intercept = np.polyfit(k[1:], mean[1:], 1) if H > 2 else (float("nan"), float("nan"))
     return {"images": n, "passes": mean.tolist(), "passes_ci95": ci.tolist(),

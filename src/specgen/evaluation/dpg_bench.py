@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from specgen.utils.stats import mean_ci95
 from specgen.world.parse import parse
 from specgen.world.prompts import REGIONS
 
@@ -139,11 +140,9 @@ def score_image(grid: np.ndarray, questions: list[Question], vqa: VQA, mode: str
 
 
 def summarize(image_scores: list[float], categories: dict[str, list[float]], failed: int) -> dict[str, float]:
-    n = len(image_scores)
     out = {"overall": 100.0 * float(np.mean(image_scores)) if image_scores else 0.0,
-           # 95% interval of the mean over the prompts (normal approximation; 0 below two prompts)
-           "overall_ci95": 100.0 * 1.96 * float(np.std(image_scores, ddof=1)) / np.sqrt(n) if n > 1 else 0.0,
-           "num_images": float(n), "num_failed": float(failed)}
+           "overall_ci95": 100.0 * mean_ci95(image_scores),  # over the prompts (0 below two)
+           "num_images": float(len(image_scores)), "num_failed": float(failed)}
     l1: dict[str, list[float]] = defaultdict(list)
     for cat, vals in categories.items():
         out[f"L2/{cat}"] = 100.0 * float(np.mean(vals))

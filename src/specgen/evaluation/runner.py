@@ -227,29 +227,21 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
     cols = [("speed/nfe", "nfe", "{:.1f}")] + ratios \
         + [(f"speed/wall_ratio_bs{b}", f"wall x bs{b}", "{:.2f}") for b in batch_sizes] \
         + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
-           ("dpg/overall", "DPG", "{:.1f}"), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
-           ("fidelity/fid", "FID", "{:.2f}")]
+           ("dpg/overall", "DPG", "{:.1f}", True), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
+           ("fidelity/fid", "FID", "{:.2f}"), ("geneval/overall", "GenEval (95%)", "{:.3f}", True)]
     cols = [c for c in cols if any(f"{n}/{c[0]}" in metrics for n in names)]
     fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
-    heads = ["strategy"] + [label + (f" (n={int(fid_n)})" if key == "fidelity/fid" and fid_n else "")
-                            for key, label, _ in cols]
-    has_geneval = any(f"{n}/geneval/overall" in metrics for n in names)
-    heads += ["GenEval (95%)"] if has_geneval else []
-    rows = []
-    for n in names:
-        cells = [n] + [_cell(metrics, f"{n}/{key}", fmt) for key, _, fmt in cols]
-        if has_geneval:
-            q, ci = metrics.get(f"{n}/geneval/overall"), metrics.get(f"{n}/geneval/overall_ci95", 0.0)
-            cells.append(f"{q:.3f} +-{ci:.3f}" if q is not None else "-")
-        rows.append(cells)
+    heads = ["strategy"] + [c[1] + (f" (n={int(fid_n)})" if c[0] == "fidelity/fid" and fid_n else "") for c in cols]
+    rows = [[n] + [_cell(metrics, f"{n}/{c[0]}", c[2], with_ci=len(c) > 3) for c in cols] for n in names]
     return heads, rows
 
 
-def _cell(metrics: dict[str, float], key: str, fmt: str) -> str:
-    """One table cell: the value, with its 95% interval where the run measured one (DPG), or '-'."""
+def _cell(metrics: dict[str, float], key: str, fmt: str, with_ci: bool = False) -> str:
+    """One table cell: the value (with its 95% interval `<key>_ci95` where the column shows one and the run measured
+    it), or '-'."""
     if key not in metrics:
         return "-"
-    ci = metrics.get(f"{key}_ci95") if key.endswith("dpg/overall") else None
+    ci = metrics.get(f"{key}_ci95") if with_ci else None
     return fmt.format(metrics[key]) + ("" if ci is None else f" +-{fmt.format(ci)}")
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from specgen.decoding.sampling import make_rngs
+from specgen.utils.stats import mean_ci95
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,8 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
             drafts.append(stats.get("draft_calls", 0))
             _add_extra(extra, stats, len(x))
             n += len(x)
-    # 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count such as AR's
-    nfe_ci = 1.96 * float(np.std(nfe, ddof=1)) / np.sqrt(len(nfe)) if len(nfe) > 1 else 0.0
-    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)), "nfe_ci95": nfe_ci,
+    # nfe_ci95: the 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count (AR's)
+    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)), "nfe_ci95": mean_ci95(nfe),
             "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
             **{k: float(np.mean(v)) for k, v in extra.items()}}
 
@@ -112,8 +112,7 @@ def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats
         _add_extra(extra, stats, len(prompts))
     n = len(prompts) * repeats
     mean_nfe = float(np.mean(nfe))
-    rel = 1.96 * float(np.std(per_image, ddof=1)) / np.sqrt(len(per_image)) / float(np.mean(per_image)) \
-        if len(per_image) > 1 else 0.0
+    rel = mean_ci95(per_image) / float(np.mean(per_image))
     return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": mean_nfe, "nfe_ci95": mean_nfe * rel,
             "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
             "stream": 1.0, **{k: float(np.mean(v)) for k, v in extra.items()}}
