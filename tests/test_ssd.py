@@ -478,7 +478,7 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
     out = row_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
                            "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "row_passes.json").read_text())
-    assert set(saved) == set(out) == set(row_passes.STRATEGIES) and (tmp_path / "row_passes.png").stat().st_size > 0
+    assert set(saved) == set(out) == set(row_passes.config_strategies()) and (tmp_path / "row_passes.png").stat().st_size > 0
     assert all(len(r["passes"]) == 16 and r["images"] == 2 for r in saved.values())
     assert row_passes.parse_variant("dt=rounds:0,carry:true,draft_temperature:0.5,max_window_rows:null") == \
         ("dt", {"rounds": 0, "carry": True, "draft_temperature": 0.5, "max_window_rows": None})
@@ -488,3 +488,40 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
                            "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
                            "--variant", "a=rounds:0,carry:true", "--variant", "b=rounds:0,carry:true,redraft:2"])
     assert list(out) == ["a", "b"]
+
+
+def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
+    import json
+
+    from specgen.analysis import grid_scaling
+    from specgen.utils.checkpoints import build as instantiate, export
+
+    assert grid_scaling.loglog_slope([16, 32], [4.0, 8.0]) == pytest.approx(1.0)
+    assert grid_scaling.loglog_slope([16, 32], [5.0, 5.0]) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="NAME=<backbone folder>"):
+        grid_scaling.parse_world("16=a,b")
+    # a second, smaller world: 32 px through a factor-4 tokenizer = an 8x8 grid
+    torch.manual_seed(1)
+    vq_cfg = {"_target_": "specgen.tokenizers.vq.VQAutoencoder", "image_size": 32, "ch": 16, "mults": [2, 2],
+              "z_dim": 8, "num_codes": 64}
+    ar_cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 8, "preset": "tiny"}
+    export(tmp_path / "vq8", instantiate(vq_cfg), vq_cfg)
+    export(tmp_path / "ar8", instantiate(ar_cfg), ar_cfg)
+    small = f"8={tmp_path / 'ar8'},{tmp_path / 'vq8'},{tiny_exports / 'fphi'}"
+    big = f"16={tiny_exports / 'ar'},{tiny_exports / 'vq'},{tiny_exports / 'fphi'}"
+    out = grid_scaling.main(["--world", big, "--world", small, "--prompts", "2", "--out", str(tmp_path / "gs")])
+    saved = json.loads((tmp_path / "gs" / "grid_scaling.json").read_text())
+    assert saved["table"] == json.loads(json.dumps(out["table"]))
+    for name, t in out["table"].items():
+        assert t["sides"] == [8, 16] and t["worlds"] == ["8", "16"]  # sorted by side, whatever the order given
+        rounds_plus_one = out["worlds"]["8"]["strategies"][name]["rounds_plus_one"]
+        if name == "ssd_paper":  # the paper's rule: at most r + 1 passes a row, so n / (r + 1)
+            assert t["paper_bound"] == pytest.approx([8 / rounds_plus_one, 16 / rounds_plus_one])
+        else:  # carry has no bound on a row's passes
+            assert t["paper_bound"] == [None, None]
+        for w, side, ratio in zip(t["worlds"], t["sides"], t["ratios"]):
+            passes = out["worlds"][w]["strategies"][name]["passes"]
+            assert len(passes) == side and ratio == pytest.approx(side * side / passes[-1])
+        assert t["loglog_slope"] == pytest.approx(grid_scaling.loglog_slope(t["sides"], t["ratios"]))
+    assert set(out["table"]) == {"ssd", "ssd_paper"}
+    assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0 and (tmp_path / "gs" / "row_passes_8.png").is_file()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specgen.utils.checkpoints import PRODUCERS, REPO_ROOT, build, export, load_exported, portable_path
+from specgen.utils.checkpoints import ALIASES, PRODUCERS, REPO_ROOT, build, export, load_exported, portable_path
 
 SRC = REPO_ROOT / "src" / "specgen"
 # roots of user and machine folders; a shipped file may name none of them
@@ -91,7 +91,10 @@ def test_export_writes_no_absolute_path(tmp_path):
 def test_every_shipped_folder_names_the_experiment_that_exports_it():
     folders = sorted(p.parent.name for p in shipped_files()
                      if p.name == "model.safetensors" and p.parent.parent == REPO_ROOT / "checkpoints")
-    assert folders and set(folders) <= set(PRODUCERS)
+    assert folders and set(folders) <= set(PRODUCERS) | set(ALIASES)
+    for name, target in ALIASES.items():  # an alias folder links the weights of the folder it names
+        link = REPO_ROOT / "checkpoints" / name / "model.safetensors"
+        assert link.is_symlink() and link.resolve() == (REPO_ROOT / "checkpoints" / target / "model.safetensors").resolve()
     for name, exp in PRODUCERS.items():
         text = (REPO_ROOT / "configs" / "experiment" / f"{exp}.yaml").read_text()
         assert re.search(rf"^export_name: {name}\s*$", text, re.M), (name, exp)

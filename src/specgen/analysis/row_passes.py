@@ -10,7 +10,8 @@ which grows with W: the per-row slope, against W and r + 1, says which regime a 
         --drafter checkpoints/fphi_accept --prompts 32 --out logs/row_passes
 
 -> <out>/row_passes.json (mean passes per k with 95% intervals, the linear fit per strategy), row_passes.png.
-`--variant NAME=key:value,...` replaces the two strategies by `ssd.generate` option sets (values parsed as YAML),
+The strategies are the decoding configs `ssd` (the default) and `ssd_paper` as the benchmark runs them
+(`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate` option sets (values parsed as YAML),
 e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2 --variant dt05=rounds:0,carry:true,max_window_rows:2,
 draft_temperature:0.5`: every variant on the same prompts and per-image seeds.
 """
@@ -23,18 +24,40 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 from specgen.backbones.loading import load_shapes_generator
 from specgen.decoding import ssd
 from specgen.decoding.sampling import make_rngs
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
+from specgen.utils.hydra import CONFIG_DIR
 from specgen.utils.stats import mean_ci95
 
-STRATEGIES = {  # name -> ssd.generate options (the repo's default and the paper's rule, configs/decoding/)
-    "ssd (carry, r = 0)": dict(rounds=0, carry=True, max_window_rows=2),
-    "ssd_paper (r = 2)": dict(rounds=2, carry=False),
-}
+DEFAULT_STRATEGIES = ("ssd", "ssd_paper")  # the repo's default and the paper's rule (configs/decoding/<name>.yaml)
+
+
+def decoding_options(name: str) -> dict:
+    """The `ssd.generate` options of the decoding config `configs/decoding/<name>.yaml` (its `defaults` chain
+    merged), without the drafter and the sampling settings given per run: what the benchmark runs."""
+    path = Path(CONFIG_DIR) / "decoding" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("ssd*.yaml"))
+        raise ValueError(f"no decoding config {name!r} ({path}): expected one of {known}")
+    cfg = OmegaConf.load(path)
+    base = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    merged = OmegaConf.merge(*(OmegaConf.create({"fn": decoding_options(b)}) for b in base), cfg)
+    fn = OmegaConf.to_container(merged.fn, resolve=False)
+    if fn.pop("_target_", "specgen.decoding.ssd.generate") != "specgen.decoding.ssd.generate":
+        raise ValueError(f"decoding config {name!r} is not an SSD strategy (its fn is not ssd.generate)")
+    for key in ("_partial_", "drafter", "cfg_scale", "temperature", "top_k"):
+        fn.pop(key, None)
+    return fn
+
+
+def config_strategies(names=DEFAULT_STRATEGIES) -> dict[str, dict]:
+    """name -> ssd.generate options, read from the decoding configs."""
+    return {name: decoding_options(name) for name in names}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -57,7 +80,7 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
                strategies: dict | None = None) -> dict:
     """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary."""
     out = {}
-    for name, options in (strategies or STRATEGIES).items():
+    for name, options in (strategies or config_strategies()).items():
         rows = []
         for i, text in enumerate(prompts):
             _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
@@ -113,6 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cfg-scale", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
+    ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
+                    help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper (repeatable)")
     ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
                     help="an ssd.generate option set instead of the two default strategies (repeatable)")
     args = ap.parse_args(argv)
@@ -121,7 +146,9 @@ def main(argv: list[str] | None = None) -> dict:
     backbone = load_shapes_generator(args.backbone, args.tokenizer)
     drafter = load_exported(args.drafter).eval()
     prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
-    strategies = dict(parse_variant(v) for v in args.variant) if args.variant else None
+    strategies = config_strategies(args.strategy) if args.strategy else None
+    if args.variant:
+        strategies = {**(strategies or {}), **dict(parse_variant(v) for v in args.variant)}
     result = row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed, strategies)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
