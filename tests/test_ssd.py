@@ -478,7 +478,8 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
     out = row_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
                            "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "row_passes.json").read_text())
-    assert set(saved) == set(out) == set(row_passes.config_strategies()) and (tmp_path / "row_passes.png").stat().st_size > 0
+    assert set(saved) == set(out) == set(row_passes.config_strategies())
+    assert (tmp_path / "row_passes.png").stat().st_size > 0
     assert all(len(r["passes"]) == 16 and r["images"] == 2 for r in saved.values())
     assert row_passes.parse_variant("dt=rounds:0,carry:true,draft_temperature:0.5,max_window_rows:null") == \
         ("dt", {"rounds": 0, "carry": True, "draft_temperature": 0.5, "max_window_rows": None})
@@ -504,7 +505,8 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
     torch.manual_seed(1)
     vq_cfg = {"_target_": "specgen.tokenizers.vq.VQAutoencoder", "image_size": 32, "ch": 16, "mults": [2, 2],
               "z_dim": 8, "num_codes": 64}
-    ar_cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 8, "preset": "tiny"}
+    ar_cfg = {"_target_": "specgen.backbones.shapes_llama.ShapesLlama", "num_codes": 64, "grid_size": 8,
+              "preset": "tiny"}
     export(tmp_path / "vq8", instantiate(vq_cfg), vq_cfg)
     export(tmp_path / "ar8", instantiate(ar_cfg), ar_cfg)
     small = f"8={tmp_path / 'ar8'},{tmp_path / 'vq8'},{tiny_exports / 'fphi'}"
@@ -524,4 +526,5 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
             assert len(passes) == side and ratio == pytest.approx(side * side / passes[-1])
         assert t["loglog_slope"] == pytest.approx(grid_scaling.loglog_slope(t["sides"], t["ratios"]))
     assert set(out["table"]) == {"ssd", "ssd_paper"}
-    assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0 and (tmp_path / "gs" / "row_passes_8.png").is_file()
+    assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0
+    assert (tmp_path / "gs" / "row_passes_8.png").is_file()

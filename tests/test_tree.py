@@ -94,7 +94,8 @@ def test_every_shipped_folder_names_the_experiment_that_exports_it():
     assert folders and set(folders) <= set(PRODUCERS) | set(ALIASES)
     for name, target in ALIASES.items():  # an alias folder links the weights of the folder it names
         link = REPO_ROOT / "checkpoints" / name / "model.safetensors"
-        assert link.is_symlink() and link.resolve() == (REPO_ROOT / "checkpoints" / target / "model.safetensors").resolve()
+        target_file = REPO_ROOT / "checkpoints" / target / "model.safetensors"
+        assert link.is_symlink() and link.resolve() == target_file.resolve()
     for name, exp in PRODUCERS.items():
         text = (REPO_ROOT / "configs" / "experiment" / f"{exp}.yaml").read_text()
         assert re.search(rf"^export_name: {name}\s*$", text, re.M), (name, exp)

@@ -5,7 +5,8 @@ n / (r + 1) and grows linearly with the side; a rule whose passes per row grow w
 one pass per change that ends a pass) grows more slowly. Each world (a backbone, its tokenizer and its f_phi) is
 decoded with the same strategies (the decoding configs, as the benchmark runs them) on the same held-out prompts at
 batch 1; the table gives the pass ratio, the passes per later row, the paper's bound n / (r + 1) (rules without
-carry) and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime; 0 = flat).
+carry) and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime;
+0 = flat).
 
     python -m specgen.analysis.grid_scaling \\
         --world 16=checkpoints/ar_shapes,checkpoints/vq_shapes,checkpoints/fphi_accept \\
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         drafter = load_exported(drafter_dir).eval()
         grid = backbone.grid
         if grid.height != grid.width:
-            raise ValueError(f"world {name!r} has a {grid.height}x{grid.width} grid: the scaling table needs square grids")
+            raise ValueError(f"world {name!r} has a {grid.height}x{grid.width} grid: the scaling table needs square "
+                             f"grids")
         print(f"world {name}: {grid.height}x{grid.width} tokens, {args.prompts} prompts", flush=True)
         per = rp.row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed, strategies)
         rp.plot(per, out / f"row_passes_{name}.png")

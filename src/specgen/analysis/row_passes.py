@@ -11,9 +11,10 @@ which grows with W: the per-row slope, against W and r + 1, says which regime a 
 
 -> <out>/row_passes.json (mean passes per k with 95% intervals, the linear fit per strategy), row_passes.png.
 The strategies are the decoding configs `ssd` (the default) and `ssd_paper` as the benchmark runs them
-(`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate` option sets (values parsed as YAML),
-e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2 --variant dt05=rounds:0,carry:true,max_window_rows:2,
-draft_temperature:0.5`: every variant on the same prompts and per-image seeds.
+(`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate`
+option sets (values parsed as YAML), e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2
+--variant dt05=rounds:0,carry:true,max_window_rows:2,draft_temperature:0.5`: every variant on the same prompts and
+per-image seeds.
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
     ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
-                    help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper (repeatable)")
+                    help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper "
+                         "(repeatable)")
     ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
                     help="an ssd.generate option set instead of the two default strategies (repeatable)")
     args = ap.parse_args(argv)
