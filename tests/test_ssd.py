@@ -526,5 +526,8 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
             assert len(passes) == side and ratio == pytest.approx(side * side / passes[-1])
         assert t["loglog_slope"] == pytest.approx(grid_scaling.loglog_slope(t["sides"], t["ratios"]))
     assert set(out["table"]) == {"ssd", "ssd_paper"}
+    fake = {"8": {"side": 8, "strategies": {"e": {"ratio": [2.0], "rounds_plus_one": 1, "passes_per_row": 3.0}}},
+            "16": {"side": 16, "strategies": {"e": {"ratio": [3.0], "rounds_plus_one": 1, "passes_per_row": 4.0}}}}
+    assert grid_scaling.scaling_table(fake, {"e": {"exact": True, "carry": False}})["e"]["paper_bound"] == [None, None]
     assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0
     assert (tmp_path / "gs" / "row_passes_8.png").is_file()

@@ -49,15 +49,17 @@ def loglog_slope(sides: list[int], ratios: list[float]) -> float:
 
 
 def scaling_table(result: dict, options: dict[str, dict]) -> dict:
-    """Per strategy: sides, pass ratios, the paper's bound n / (r + 1) per side (None with carry: a carried row has
-    no bound on its passes) and the log-log slope across worlds. `options`: each strategy's ssd.generate options."""
+    """Per strategy: sides, pass ratios, the paper's bound n / (r + 1) per side (None with carry or the exact rule: their
+    rows have no bound on their passes) and the log-log slope across worlds. `options`: each strategy's ssd.generate options."""
     worlds = sorted(result, key=lambda w: result[w]["side"])
     table = {}
     for name in result[worlds[0]]["strategies"]:
         sides = [result[w]["side"] for w in worlds]
         ratios = [result[w]["strategies"][name]["ratio"][-1] for w in worlds]
         r1 = result[worlds[0]]["strategies"][name]["rounds_plus_one"]
-        bounded = not options[name].get("carry", False)
+        # the paper's auto-correction: at most r + 1 passes a row; carry and the exact rule (a pass ends at the first
+        # rejection) have no such bound
+        bounded = not options[name].get("carry", False) and not options[name].get("exact", False)
         table[name] = {"worlds": worlds, "sides": sides, "ratios": ratios,
                        "passes_per_row": [result[w]["strategies"][name]["passes_per_row"] for w in worlds],
                        "paper_bound": [s / r1 if bounded else None for s in sides],
