@@ -430,6 +430,40 @@ def test_continuous_batching_keeps_every_image_and_counts_passes_exactly():
     assert 0 < runs[3][1]["slot_occupancy"] <= 1
 
 
+def test_row_pass_cap_keeps_rows_after_their_budget_and_counts_what_it_leaves_unchecked():
+    """max_row_passes=k: no row is judged more than k times, so an image spends at most H x k passes after its
+    prefill; the tokens kept without a check against their final left context are counted (some at k = 1 with a
+    noisy drafter) and enter the finalised-per-pass accounting like every other token; a cap no row reaches
+    changes nothing (tokens, passes, zero unchecked); every image keeps its batch-1 tokens and passes in a fixed
+    batch and in continuous batching."""
+    m = tiny(True, grid=6)
+    prompts = PROMPTS + ["a green diamond", "two red circles", "a cross"]
+    p, H, n = m.prompts(prompts), m.grid.height, m.grid.num_visual_tokens
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2)
+    free, stf = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), **kw)
+    same, sts = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), max_row_passes=10 * n, **kw)
+    assert torch.equal(same, free) and torch.equal(sts["image_passes"], stf["image_passes"])
+    assert (stf["unchecked_tokens"] == 0).all() and (sts["unchecked_tokens"] == 0).all()
+    for cap in (1, 2):
+        out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), max_row_passes=cap, **kw)
+        assert (st["image_passes"] - 1 <= H * cap).all()
+        assert torch.allclose(st["final_per_pass"] * (st["image_passes"] - 1), torch.full((6,), float(n)))
+        assert ((st["unchecked_tokens"] >= 0) & (st["unchecked_tokens"] <= n)).all()
+        if cap == 1:
+            assert st["unchecked_tokens"].sum() > 0 and st["image_passes"].sum() < stf["image_passes"].sum()
+        for slots in (None, 3):
+            batch, stb = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), max_row_passes=cap,
+                                      slots=slots, **kw)
+            for i in range(6):
+                one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), max_row_passes=cap, **kw)
+                assert torch.equal(batch[i], one[0]) and stb["image_passes"][i] == st1["nfe"]
+                assert stb["unchecked_tokens"][i] == st1["unchecked_tokens"][0]
+    with pytest.raises(ValueError, match="max_row_passes=2 .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, max_row_passes=2)
+    with pytest.raises(ValueError, match="max_row_passes"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, max_row_passes=0)
+
+
 def test_continuous_batching_refuses_what_it_cannot_serve():
     m = tiny(True)
     p = m.prompts(PROMPTS)
@@ -518,9 +552,10 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
         assert t["sides"] == [8, 16] and t["worlds"] == ["8", "16"]  # sorted by side, whatever the order given
         rounds_plus_one = out["worlds"]["8"]["strategies"][name]["rounds_plus_one"]
         if name == "ssd_paper":  # the paper's rule: at most r + 1 passes a row, so n / (r + 1)
-            assert t["paper_bound"] == pytest.approx([8 / rounds_plus_one, 16 / rounds_plus_one])
+            assert t["row_bound"] == pytest.approx([8 / rounds_plus_one, 16 / rounds_plus_one])
         else:  # carry has no bound on a row's passes
-            assert t["paper_bound"] == [None, None]
+            assert t["row_bound"] == [None, None]
+        assert out["worlds"]["8"]["strategies"][name]["unchecked"] >= 0
         for w, side, ratio in zip(t["worlds"], t["sides"], t["ratios"]):
             passes = out["worlds"][w]["strategies"][name]["passes"]
             assert len(passes) == side and ratio == pytest.approx(side * side / passes[-1])
@@ -528,6 +563,8 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
     assert set(out["table"]) == {"ssd", "ssd_paper"}
     fake = {"8": {"side": 8, "strategies": {"e": {"ratio": [2.0], "rounds_plus_one": 1, "passes_per_row": 3.0}}},
             "16": {"side": 16, "strategies": {"e": {"ratio": [3.0], "rounds_plus_one": 1, "passes_per_row": 4.0}}}}
-    assert grid_scaling.scaling_table(fake, {"e": {"exact": True, "carry": False}})["e"]["paper_bound"] == [None, None]
+    assert grid_scaling.scaling_table(fake, {"e": {"exact": True, "carry": False}})["e"]["row_bound"] == [None, None]
+    capped = {"e": {"carry": True, "max_row_passes": 4}}  # carry with a per-row cap: n / max_row_passes
+    assert grid_scaling.scaling_table(fake, capped)["e"]["row_bound"] == pytest.approx([2.0, 4.0])
     assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0
     assert (tmp_path / "gs" / "row_passes_8.png").is_file()

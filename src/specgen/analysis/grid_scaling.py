@@ -4,8 +4,9 @@ On an n x n grid AR spends n^2 passes. The paper's rule spends at most r + 1 pas
 n / (r + 1) and grows linearly with the side; a rule whose passes per row grow with the row's width (carry: about
 one pass per change that ends a pass) grows more slowly. Each world (a backbone, its tokenizer and its f_phi) is
 decoded with the same strategies (the decoding configs, as the benchmark runs them) on the same held-out prompts at
-batch 1; the table gives the pass ratio, the passes per later row, the paper's bound n / (r + 1) (rules without
-carry) and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime;
+batch 1; the table gives the pass ratio, the passes per later row, the bound n / (passes a row may take): the
+paper's n / (r + 1), or n / max_row_passes for carry with a per-row cap (none for uncapped carry), the tokens kept
+unchecked per image and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime;
 0 = flat).
 
     python -m specgen.analysis.grid_scaling \\
@@ -48,21 +49,30 @@ def loglog_slope(sides: list[int], ratios: list[float]) -> float:
     return float(np.polyfit(np.log(sides), np.log(ratios), 1)[0])
 
 
+def row_budget(options: dict) -> int | None:
+    """The most passes a row may take under an ssd.generate option set: r + 1 for the paper's auto-correction,
+    `max_row_passes` for carry with a per-row cap; None for uncapped carry and the exact rule (a pass ends at the
+    first rejection), whose rows have no bound."""
+    if options.get("exact", False):
+        return None
+    if options.get("carry", False):
+        return options.get("max_row_passes")
+    return options.get("rounds", 0) + 1
+
+
 def scaling_table(result: dict, options: dict[str, dict]) -> dict:
-    """Per strategy: sides, pass ratios, the paper's bound n / (r + 1) per side (None with carry or the exact rule: their
-    rows have no bound on their passes) and the log-log slope across worlds. `options`: each strategy's ssd.generate options."""
+    """Per strategy: sides, pass ratios, the bound n / (passes a row may take) per side (`row_budget`; None with
+    uncapped carry or the exact rule: their rows have no bound on their passes) and the log-log slope across worlds.
+    `options`: each strategy's ssd.generate options."""
     worlds = sorted(result, key=lambda w: result[w]["side"])
     table = {}
     for name in result[worlds[0]]["strategies"]:
         sides = [result[w]["side"] for w in worlds]
         ratios = [result[w]["strategies"][name]["ratio"][-1] for w in worlds]
-        r1 = result[worlds[0]]["strategies"][name]["rounds_plus_one"]
-        # the paper's auto-correction: at most r + 1 passes a row; carry and the exact rule (a pass ends at the first
-        # rejection) have no such bound
-        bounded = not options[name].get("carry", False) and not options[name].get("exact", False)
+        budget = row_budget(options[name])
         table[name] = {"worlds": worlds, "sides": sides, "ratios": ratios,
                        "passes_per_row": [result[w]["strategies"][name]["passes_per_row"] for w in worlds],
-                       "paper_bound": [s / r1 if bounded else None for s in sides],
+                       "row_bound": [s / budget if budget else None for s in sides],
                        "loglog_slope": loglog_slope(sides, ratios)}
     return table
 
@@ -75,9 +85,9 @@ def plot(table: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, t in table.items():
         line, = ax.plot(t["sides"], t["ratios"], marker="o", label=f"{name} (log-log slope {t['loglog_slope']:.2f})")
-        if t["paper_bound"][0] is not None:
-            ax.plot(t["sides"], t["paper_bound"], ls="--", color=line.get_color(), alpha=0.6,
-                    label=f"n / (r + 1), the paper's bound, for {name}")
+        if t["row_bound"][0] is not None:
+            ax.plot(t["sides"], t["row_bound"], ls="--", color=line.get_color(), alpha=0.6,
+                    label=f"n / (passes a row may take), for {name}")
     ax.set_xlabel("token grid side n")
     ax.set_ylabel("AR passes / SSD passes (batch 1)")
     ax.set_title("SSD's pass ratio against the grid side")
@@ -120,14 +130,16 @@ def main(argv: list[str] | None = None) -> dict:
     table = scaling_table(result, strategies)
     atomic_write_text(out / "grid_scaling.json", json.dumps({"worlds": result, "table": table}, indent=2))
     plot(table, out / "grid_scaling.png")
-    print(f"{'strategy':<12} {'side':>5} {'passes (95%)':>14} {'ratio':>7} {'n/(r+1)':>8} {'passes/row':>10}")
+    print(f"{'strategy':<12} {'side':>5} {'passes (95%)':>14} {'ratio':>7} {'n/budget':>8} {'passes/row':>10} "
+          f"{'unchecked':>9}")
     for sname, t in table.items():
-        for w, side, ratio, bound, slope in zip(t["worlds"], t["sides"], t["ratios"], t["paper_bound"],
+        for w, side, ratio, bound, slope in zip(t["worlds"], t["sides"], t["ratios"], t["row_bound"],
                                                 t["passes_per_row"]):
             r = result[w]["strategies"][sname]
             total = f"{r['passes'][-1]:.1f} +-{r['passes_ci95'][-1]:.1f}"
             bound = "-" if bound is None else f"{bound:.2f}"
-            print(f"{sname:<12} {side:>5d} {total:>14} {ratio:>7.2f} {bound:>8} {slope:>10.2f}")
+            print(f"{sname:<12} {side:>5d} {total:>14} {ratio:>7.2f} {bound:>8} {slope:>10.2f} "
+                  f"{r['unchecked']:>9.1f}")
         print(f"{sname:<12} log-log slope of the ratio against the side: {t['loglog_slope']:.2f}")
     return {"worlds": result, "table": table}
 

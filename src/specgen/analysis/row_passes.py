@@ -79,15 +79,19 @@ def parse_variant(text: str) -> tuple[str, dict]:
 @torch.no_grad()
 def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: int = 0,
                strategies: dict | None = None) -> dict:
-    """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary."""
+    """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary, with
+    the tokens per image kept without a check against their final left context (`unchecked`, mean and 95%)."""
     out = {}
     for name, options in (strategies or config_strategies()).items():
-        rows = []
+        rows, unchecked = [], []
         for i, text in enumerate(prompts):
             _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
                                     rngs=make_rngs([seed + i]), **options)
             rows.append(stats["row_final_pass"][0].float())
+            unchecked.append(float(stats["unchecked_tokens"][0]))
         out[name] = summarise(torch.stack(rows).numpy(), backbone.grid.width, options.get("rounds", 0))
+        out[name]["unchecked"] = float(np.mean(unchecked))
+        out[name]["unchecked_ci95"] = float(mean_ci95(np.array(unchecked)))
     return out
 
 
@@ -159,11 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
     H = len(next(iter(result.values()))["passes"])
     ks = sorted({1, 2, 4, H // 2, H})
     print(f"{'strategy':<22} {'passes (95%)':>14} {'row 1':>6} {'passes/row':>10} {'r+1':>4} " +
-          " ".join(f"{'x@' + str(k):>7}" for k in ks))
+          " ".join(f"{'x@' + str(k):>7}" for k in ks) + f" {'unchecked':>14}")
     for name, r in result.items():
         total = f"{r['passes'][-1]:.1f} +-{r['passes_ci95'][-1]:.1f}"
         print(f"{name:<22} {total:>14} {r['first_row_passes']:>6.1f} {r['passes_per_row']:>10.2f} "
-              f"{r['rounds_plus_one']:>4d} " + " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks))
+              f"{r['rounds_plus_one']:>4d} " + " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks) +
+              f" {r['unchecked']:>7.1f} +-{r['unchecked_ci95']:.1f}")
     return result
 
 

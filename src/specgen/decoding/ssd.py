@@ -98,8 +98,15 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 
 def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int | None,
                    max_window_rows: int | None, redraft: int, temperature: float,
-                   draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None) -> None:
+                   draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None,
+                   max_row_passes: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
+    if max_row_passes is not None:
+        expect_int("max_row_passes", max_row_passes, 1)
+        if not carry:
+            raise ValueError(f"max_row_passes={max_row_passes} caps the passes over a carried row and needs "
+                             f"carry=true (without carry, `rounds` bounds a row's passes); set max_row_passes=null "
+                             f"or carry=true")
     if slots is not None and not carry:
         raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
                          f"carry=true; set carry=true or slots=null")
@@ -130,7 +137,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              temperature: float = 1.0, top_k: int | None = None, rngs=None, rounds: int = 2,
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
-             redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None):
+             redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
+             max_row_passes: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -141,6 +149,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     (in its row) are drafted again by f_phi.right from the fresh state before the change, instead of being carried
     with values that were judged given the replaced token (0: off, the carry rule as it was);
     `redraft_rows`: re-draft only in the first this many rows (1: the horizontally drafted first row; null: every row).
+    `max_row_passes` (carry only): a row judged this many times is kept as it stands, as the paper keeps a row after
+    its r + 1 passes; its tokens right of the last pass's first change count in stats["unchecked_tokens"]
+    (null: no cap, every token is final before it is kept: approximately lossless, exact under greedy decoding);
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -148,19 +159,19 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
-                   draft_temperature, redraft_rows, slots)
+                   draft_temperature, redraft_rows, slots, max_row_passes)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
     if slots is not None:
         from specgen.decoding.ssd_stream import generate_stream
         return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
-                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows)
+                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g = st.g
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
         return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft,
-                               redraft_rows)
+                               redraft_rows, max_row_passes)
     return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature)
 
 
@@ -224,11 +235,12 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
 
 def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
                     max_window_rows: int | None, draft_temperature: float | None, redraft: int = 0,
-                    redraft_rows: int | None = None):
+                    redraft_rows: int | None = None, max_row_passes: int | None = None):
     """`carry=True`: per-image rows over one verification window (see `ssd_window.CarryWindow`)."""
     g, B = st.g, st.B
     dev = st.seq.device
-    win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature, redraft_rows)
+    win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature, redraft_rows,
+                      max_row_passes)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
@@ -244,7 +256,7 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
     codes = st.codes()
     return codes, {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
                    "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
-                   "accept_map": accept_map, "unchecked_tokens": torch.zeros(B, device=dev),
+                   "accept_map": accept_map,
                    "image_passes": (win.passes + 1).float(), "row_final_pass": win.row_final,
                    "flush_passes": flush, "state_slots": st.hid.peak_slots,
                    **win.pass_stats()}

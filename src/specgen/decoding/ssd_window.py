@@ -22,11 +22,14 @@ class CarryWindow:
 
     def __init__(self, st: SpecState, rounds: int, max_lead: int | None, max_window_rows: int | None = None,
                  redraft: int = 0, drafter=None, draft_temperature: float | None = None,
-                 redraft_rows: int | None = None):
+                 redraft_rows: int | None = None, max_row_passes: int | None = None):
         B, dev, g = st.B, st.seq.device, st.g
         self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
         self.redraft, self.drafter, self.draft_temperature = redraft, drafter, draft_temperature
         self.redraft_rows = g.height if redraft_rows is None else redraft_rows  # re-draft only in rows below this
+        # a row judged this many times is kept as it stands (None: carried until every token is final)
+        self.max_row_passes = max_row_passes
+        self.row_passes = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # passes that judged each row
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
@@ -40,7 +43,8 @@ class CarryWindow:
         # where the passes go, per image: tokens judged fresh (proposal q) or carried (proposal: the last p), how many
         # of each changed, tokens finalised, and passes whose first change fell on a fresh draft
         self.counts = {k: torch.zeros(B, device=dev) for k in
-                       ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed")}
+                       ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed",
+                        "unchecked")}
 
     def floor(self) -> int:
         """The lowest slot whose state a draft or a pass may still read: the one before the slowest image's row
@@ -119,6 +123,7 @@ class CarryWindow:
         cur = st.visual(pos)
         new = cur.clone()
         redrafts = []
+        front = self.frontier_row()  # (B,) each image's row of its first non-final token, before this pass
         for b in act.tolist():  # per-image draws, over the image's own window only
             own = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
             nb, acc = accept_or_resample(cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own], st.image_gens([b]))
@@ -127,7 +132,8 @@ class CarryWindow:
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
             self.final_upto[b] = pos[own[first]] + 1  # final through the first change
             self._count(b, own, changed, first)
-            if self.redraft and changed.any():
+            kept = self._cap_rows(b, own, int(front[b]))
+            if self.redraft and changed.any() and not kept:
                 redrafts.append(self._redraft(b, own, first, new[b]))
             r = int(self.first_row[b])
             if r >= 0:  # the first pass over a freshly drafted row: its acceptance map
@@ -146,6 +152,33 @@ class CarryWindow:
         self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
+
+    def _cap_rows(self, b: int, own: torch.Tensor, front: int) -> int:
+        """`max_row_passes`: count the pass for image b's frontier row (`front`: the row of its first token not final
+        before the pass; every row above it was final, as in the paper's rounds, where a row is verified after the
+        row above is done); the rows from b's new frontier on that have been the frontier `max_row_passes` times
+        are kept as they stand, as the paper keeps a row after its last round. Their tokens right of this pass's
+        first change were judged with a left context that then changed: they are counted as unchecked (and as
+        finalised). Returns how many tokens were kept that way."""
+        if self.max_row_passes is None:
+            return 0
+        g, pos = self.st.g, self.pos
+        self.row_passes[b, front] += 1
+        start = int(self.final_upto[b])
+        upto = start
+        while upto < int(self.drafted_upto[b]):
+            off = upto - g.prefix_len
+            row = off // g.stride + int(off % g.stride >= g.width)  # an end-of-row slot: the next row
+            if self.row_passes[b, row] < self.max_row_passes:
+                break
+            upto = min(g.position(row + 1, 0), int(self.drafted_upto[b]))
+        if upto == start:
+            return 0
+        kept = int(((pos[own] >= start) & (pos[own] < upto)).sum())
+        self.final_upto[b] = upto
+        self.counts["unchecked"][b] += kept
+        self.counts["finalised"][b] += kept
+        return kept
 
     def _redraft(self, b: int, own: torch.Tensor, first: int, tokens: torch.Tensor):
         """Re-draft image b's tokens after its first change, up to `redraft` of them in the changed token's row, by
@@ -191,4 +224,5 @@ class CarryWindow:
         return {"fresh_change_rate": div(c["fresh_changed"], c["fresh"]),
                 "carried_change_rate": div(c["carried_changed"], c["carried"]),
                 "final_per_pass": div(c["finalised"], self.passes.float()),
-                "first_change_fresh": div(c["first_on_fresh"], c["changed"])}
+                "first_change_fresh": div(c["first_on_fresh"], c["changed"]),
+                "unchecked_tokens": c["unchecked"].clone()}

@@ -30,10 +30,11 @@ PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "a
              "clip_shapes": "clip_shapes", "mar_shapes": "mar_shapes_train", "mar_shapes_draft": "mar_draft_train",
              "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train",
              "mar_p2_shapes_draft_q": "mar_draft_q_cpu_train", "ar_shapes32": "ar_shapes32_train",
-             "fphi_shapes32": "fphi_shapes32"}
+             "fphi_shapes32": "fphi_shapes32", "ar_shapes24": "ar_shapes24_train", "fphi_shapes24": "fphi_shapes24"}
 # Shipped folders whose weights file is a link to another shipped folder's: the same network under another config
-# (vq_shapes128: the factor-4 VQ at 128 px, a 32x32 grid; a convolutional tokenizer takes any multiple of its factor).
-ALIASES = {"vq_shapes128": "vq_shapes"}
+# (vq_shapes128, vq_shapes96: the factor-4 VQ at 128 and 96 px, 32x32 and 24x24 grids; a convolutional tokenizer
+# takes any multiple of its factor).
+ALIASES = {"vq_shapes128": "vq_shapes", "vq_shapes96": "vq_shapes"}
 
 
 def reproduce_hint(dirpath: str | Path) -> str:
