@@ -102,6 +102,8 @@ ENTRIES = (
     Entry("ssd_rounds_geneval", "SSD: verification rounds with carry, GenEval (+-0.03) and passes",
           (*EVAL, "experiment=ssd_rounds_geneval"),
           (*GENEVAL_QUICK, *SPEED_QUICK)),
+    Entry("ssd_row_cap", "SSD: carry with a per-row pass cap (the paper's budget) against uncapped carry and AR, "
+          "GenEval and passes", (*EVAL, "experiment=ssd_row_cap"), (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_row_passes", "SSD: grid-size scaling along one grid (passes per row, carry vs the paper's rule)",
           ("-m", "specgen.analysis.row_passes", "--backbone", f"{CK}/ar_shapes", "--tokenizer", f"{CK}/vq_shapes",
            "--drafter", f"{CK}/fphi_accept", "--prompts", "32", "--out", "{out}"),
