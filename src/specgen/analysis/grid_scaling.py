@@ -30,6 +30,7 @@ from specgen.analysis import row_passes as rp
 from specgen.backbones.loading import load_shapes_generator
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
+from specgen.utils.plots import pyplot, save
 
 
 def parse_world(text: str) -> tuple[str, tuple[str, str, str]]:
@@ -78,10 +79,7 @@ def scaling_table(result: dict, options: dict[str, dict]) -> dict:
 
 
 def plot(table: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, t in table.items():
         line, = ax.plot(t["sides"], t["ratios"], marker="o", label=f"{name} (log-log slope {t['loglog_slope']:.2f})")
@@ -92,9 +90,7 @@ def plot(table: dict, path: Path) -> None:
     ax.set_ylabel("AR passes / SSD passes (batch 1)")
     ax.set_title("SSD's pass ratio against the grid side")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

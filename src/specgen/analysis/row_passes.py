@@ -33,6 +33,7 @@ from specgen.decoding.sampling import make_rngs
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 from specgen.utils.hydra import CONFIG_DIR
+from specgen.utils.plots import pyplot, save
 from specgen.utils.stats import mean_ci95
 
 DEFAULT_STRATEGIES = ("ssd", "ssd_paper")  # the repo's default and the paper's rule (configs/decoding/<name>.yaml)
@@ -109,10 +110,7 @@ def summarise(passes: np.ndarray, width: int, rounds: int) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for name, r in result.items():
         k = np.arange(1, len(r["passes"]) + 1)
@@ -127,9 +125,7 @@ def plot(result: dict, path: Path) -> None:
     b.set_ylabel("AR passes / SSD passes for the first k rows")
     b.set_title("speed-up in passes as rows are added")
     b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict:

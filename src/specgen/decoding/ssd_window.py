@@ -27,9 +27,10 @@ class CarryWindow:
         self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
         self.redraft, self.drafter, self.draft_temperature = redraft, drafter, draft_temperature
         self.redraft_rows = g.height if redraft_rows is None else redraft_rows  # re-draft only in rows below this
-        # a row judged this many times is kept as it stands (None: carried until every token is final)
+        # a row that has been an image's frontier row for this many passes is kept as it stands (None: carried until
+        # every token is final)
         self.max_row_passes = max_row_passes
-        self.row_passes = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # passes that judged each row
+        self.row_passes = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # passes as the frontier row
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
         self.next_row = torch.zeros(B, dtype=torch.long, device=dev)  # the row each image drafts next
@@ -156,24 +157,18 @@ class CarryWindow:
     def _cap_rows(self, b: int, own: torch.Tensor, front: int) -> int:
         """`max_row_passes`: count the pass for image b's frontier row (`front`: the row of its first token not final
         before the pass; every row above it was final, as in the paper's rounds, where a row is verified after the
-        row above is done); the rows from b's new frontier on that have been the frontier `max_row_passes` times
-        are kept as they stand, as the paper keeps a row after its last round. Their tokens right of this pass's
+        row above is done); if that row is still b's frontier after the pass and has been it `max_row_passes` times,
+        it is kept as it stands, as the paper keeps a row after its last round. Its tokens right of this pass's
         first change were judged with a left context that then changed: they are counted as unchecked (and as
-        finalised). Returns how many tokens were kept that way."""
+        finalised). Only the frontier row can be kept: a row below it has not been the frontier yet. Returns how
+        many tokens were kept that way."""
         if self.max_row_passes is None:
             return 0
-        g, pos = self.st.g, self.pos
         self.row_passes[b, front] += 1
-        start = int(self.final_upto[b])
-        upto = start
-        while upto < int(self.drafted_upto[b]):
-            off = upto - g.prefix_len
-            row = off // g.stride + int(off % g.stride >= g.width)  # an end-of-row slot: the next row
-            if self.row_passes[b, row] < self.max_row_passes:
-                break
-            upto = min(g.position(row + 1, 0), int(self.drafted_upto[b]))
-        if upto == start:
+        if int(self.frontier_row()[b]) != front or self.row_passes[b, front] < self.max_row_passes:
             return 0
+        pos, start = self.pos, int(self.final_upto[b])
+        upto = min(self.st.g.position(front + 1, 0), int(self.drafted_upto[b]))  # through the row's end
         kept = int(((pos[own] >= start) & (pos[own] < upto)).sum())
         self.final_upto[b] = upto
         self.counts["unchecked"][b] += kept

@@ -11,3 +11,10 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save(fig, path, dpi: int = 120) -> None:
+    """Lay out, write and close a figure (closed, so that a long run's figures do not pile up in memory)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
