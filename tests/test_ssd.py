@@ -568,3 +568,113 @@ def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):
     assert grid_scaling.scaling_table(fake, capped)["e"]["row_bound"] == pytest.approx([2.0, 4.0])
     assert (tmp_path / "gs" / "grid_scaling.png").stat().st_size > 0
     assert (tmp_path / "gs" / "row_passes_8.png").is_file()
+
+
+def _spy_fed(monkeypatch, m):
+    """Record the positions each target forward feeds after the prefill (one entry per call)."""
+    fed, orig = [], m.forward_embeds
+
+    def spy(embeds, slots, cache, attn_mask=None):
+        fed.append(embeds.shape[1])
+        return orig(embeds, slots, cache, attn_mask)
+    monkeypatch.setattr(m, "forward_embeds", spy)
+    return fed
+
+
+@pytest.mark.parametrize("decode", ["ar", "ssd_carry", "ssd_paper", "sjd", "zipar"])
+def test_tokens_fed_counts_the_positions_every_pass_feeds(monkeypatch, decode):
+    """stats["tokens_fed"]: per image, the positions fed to the target after the prefill, as the forwards saw them
+    (AR: every visual token but the last, and the end-of-row tokens but the last); a speculative decoder feeds at
+    least as many."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS)
+    fed = _spy_fed(monkeypatch, m)
+    run = {"ar": lambda: ar.generate(m, p, cfg_scale=3.0, rngs=make_rngs(range(3))),
+           "ssd_carry": lambda: ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rngs=make_rngs(range(3)), rounds=0,
+                                             carry=True, max_window_rows=2),
+           "ssd_paper": lambda: ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, rngs=make_rngs(range(3)), rounds=2),
+           "sjd": lambda: sjd.generate(m, p, cfg_scale=3.0, rngs=make_rngs(range(3))),
+           "zipar": lambda: zipar.generate(m, p, cfg_scale=3.0, rngs=make_rngs(range(3)), window=2)}[decode]
+    _, st = run()
+    H, W = m.grid.height, m.grid.width
+    assert torch.equal(st["tokens_fed"], torch.full((3,), float(sum(fed[1:]))))
+    assert st["tokens_fed"][0] >= H * W - 1 + H - 1
+    if decode == "ar":
+        assert st["tokens_fed"][0] == H * W - 1 + H - 1
+
+
+def test_continuous_batching_reports_each_images_own_tokens_fed():
+    m = tiny(True, grid=6)
+    prompts = PROMPTS + ["a green diamond"]
+    p = m.prompts(prompts)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2)
+    _, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), slots=2, **kw)
+    for i in range(4):
+        _, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw)
+        assert st["tokens_fed"][i] == st1["tokens_fed"][0]
+
+
+
+def test_ssd_cost_split_adds_up_and_fits_the_pass_cost(tmp_path, tiny_exports):
+    """analysis.ssd_costs: per strategy, target + draft + other seconds make the wall time, passes and positions fed
+    are the decoders' own counts (AR's: every image token but the last, and the end-of-row tokens but the last), the
+    fitted pass cost explains the target time, and the fit recovers a known linear cost."""
+    import json
+
+    from specgen.analysis import ssd_costs
+
+    fake = {"ar": {"forwards": [(40, 2, 1.0)] + [(q, 2, 0.002 + 0.0005 * q) for q in (1, 2, 1, 2)]},
+            "ssd": {"forwards": [(40, 2, 1.0)] + [(q, 2, 0.002 + 0.0005 * q) for q in (10, 20, 34)]}}
+    a, b = ssd_costs.fit_pass_cost(fake)  # the prompt's forwards are left out of the fit
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
+    out = ssd_costs.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
+                          "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
+                          "--variant", "carry1=rounds:1,carry:true"])
+    saved = json.loads((tmp_path / "ssd_costs.json").read_text())
+    assert list(saved["strategies"]) == ["ar", "ssd", "ssd_paper", "carry1"]
+    for name, r in out["strategies"].items():
+        assert r["target_s"] + r["draft_s"] + r["other_s"] == pytest.approx(r["wall_s"])
+        assert r["target_s"] > 0 and r["other_s"] > 0 and (r["draft_s"] > 0) == (name != "ar")
+        assert r["tokens_fed"] >= 16 * 16 - 1 + 15
+    assert out["strategies"]["ar"]["passes"] == 256 and out["strategies"]["ar"]["tokens_fed"] == 16 * 16 - 1 + 15
+    assert out["strategies"]["ar"]["wall_ratio"] == 1.0 and out["pass_cost"]["per_position_s"] > 0
+
+
+def test_second_row_wait_drafts_row_one_only_once_row_zero_has_settled(monkeypatch):
+    """second_row_wait=m: when the second row is drafted, at most m of the first row's tokens are not final (without
+    the wait, some images draft it earlier with a noisy drafter); greedy output stays AR's; each image keeps its
+    batch-1 tokens and passes in a fixed batch and in continuous batching; refused without carry or below 0."""
+    from specgen.decoding.ssd_window import CarryWindow
+
+    m = tiny(True, grid=6)
+    prompts = PROMPTS + ["a green diamond", "two red circles", "a cross"]
+    p, g = m.prompts(prompts), m.grid.at(m.prompts(prompts[:1]).rows(True).length)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2)
+    seen, add = [], CarryWindow.add
+
+    def spy(self, images, rows, q):
+        unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto[images]).clamp_min(0)
+        seen.extend(int(u) for u, r in zip(unsettled, rows) if int(r) == 1)
+        return add(self, images, rows, q)
+    monkeypatch.setattr(CarryWindow, "add", spy)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), **kw)
+    assert len(seen) == 6 and max(seen) > 1  # without the wait, row 1 comes while row 0 is unsettled
+    for wait in (0, 1):
+        seen.clear()
+        out, _ = ssd.generate(m, p, noisy_drafter(m), temperature=0, second_row_wait=wait, **kw)
+        assert torch.equal(out, ref)
+        seen.clear()
+        ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), second_row_wait=wait, **kw)
+        assert len(seen) == 6 and max(seen) <= wait
+        for slots in (None, 3):
+            batch, stb = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), second_row_wait=wait,
+                                      slots=slots, **kw)
+            for i in range(6):
+                one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), second_row_wait=wait,
+                                        **kw)
+                assert torch.equal(batch[i], one[0]) and stb["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="second_row_wait=2 .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, second_row_wait=2)
+    with pytest.raises(ValueError, match="second_row_wait"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, second_row_wait=-1)

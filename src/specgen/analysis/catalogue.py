@@ -108,6 +108,11 @@ ENTRIES = (
           ("-m", "specgen.analysis.row_passes", "--backbone", f"{CK}/ar_shapes", "--tokenizer", f"{CK}/vq_shapes",
            "--drafter", f"{CK}/fphi_accept", "--prompts", "32", "--out", "{out}"),
           ("--prompts", "2")),
+    Entry("ssd_costs", "SSD: where the wall clock goes at batch 1 (target passes: fixed cost and positions fed; "
+          "drafting; verification) against AR, with the fitted per-pass cost",
+          ("-m", "specgen.analysis.ssd_costs", "--backbone", f"{CK}/ar_shapes", "--tokenizer", f"{CK}/vq_shapes",
+           "--drafter", f"{CK}/fphi_accept", "--prompts", "16", "--threads", "2", "--out", "{out}"),
+          ("--prompts", "2")),
     Entry("ssd_grid_scaling", "SSD: grid-size scaling across world sizes (16, 24 and 32 tokens a side, pass ratio "
           "against the side, the row bound n / (passes a row may take))",
           ("-m", "specgen.analysis.grid_scaling",

@@ -42,7 +42,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.
     seq = prompt
     hidden = backbone.forward_embeds(prompt, torch.arange(rows.length, device=device),
                                      cache if use_cache else backbone.new_cache(rows))[:, -1]  # prefill
-    nfe = 1
+    nfe, fed = 1, 0
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=device)
     for r in range(g.height):
         for c in range(g.width):
@@ -63,4 +63,6 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.
                 pos = torch.arange(seq.shape[1], device=device)
                 hidden = backbone.forward_embeds(seq, pos, backbone.new_cache(rows))[:, -1]
             nfe += 1
-    return codes, {"nfe": nfe}
+            fed += embeds.shape[1]
+    # tokens_fed: image positions fed to the target after the prefill, per image (what a pass's compute follows)
+    return codes, {"nfe": nfe, "tokens_fed": torch.full((B,), float(fed), device=device)}

@@ -64,4 +64,5 @@ def speculate(st: SpecState, draft_fn: DraftFn, window: int, observe=None) -> di
         accepted_total += torch.where(live, n_ok, torch.zeros_like(n_ok))
         frontier = torch.where(live, stop + has_fix.long(), frontier)
     return {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": N / st.nfe,
-            "accepted_drafts": accepted_total.float(), "state_slots": st.hid.peak_slots}
+            "accepted_drafts": accepted_total.float(), "state_slots": st.hid.peak_slots,
+            "tokens_fed": st.fed_per_image()}

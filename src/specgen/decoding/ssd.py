@@ -99,8 +99,14 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
 def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int | None,
                    max_window_rows: int | None, redraft: int, temperature: float,
                    draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None,
-                   max_row_passes: int | None = None) -> None:
+                   max_row_passes: int | None = None, second_row_wait: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
+    if second_row_wait is not None:
+        expect_int("second_row_wait", second_row_wait, 0)
+        if not carry:
+            raise ValueError(f"second_row_wait={second_row_wait} holds back the second row of the carry window and "
+                             f"needs carry=true (without carry, a row is drafted when the row above is done); set "
+                             f"second_row_wait=null or carry=true")
     if max_row_passes is not None:
         expect_int("max_row_passes", max_row_passes, 1)
         if not carry:
@@ -138,7 +144,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
-             max_row_passes: int | None = None):
+             max_row_passes: int | None = None, second_row_wait: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -152,6 +158,10 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     `max_row_passes` (carry only): a row judged this many times is kept as it stands, as the paper keeps a row after
     its r + 1 passes; its tokens right of the last pass's first change count in stats["unchecked_tokens"]
     (null: no cap, every token is final before it is kept: approximately lossless, exact under greedy decoding);
+    `second_row_wait` (carry only, beyond the paper): the second row is drafted (down, from the first row's states)
+    only once at most this many of the first row's tokens are not final: after its first pass the horizontally
+    drafted first row is still far from final, and down drafts from it are mostly rejected (null: no wait, the
+    window bound alone decides);
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -159,19 +169,20 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
     _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
-                   draft_temperature, redraft_rows, slots, max_row_passes)
+                   draft_temperature, redraft_rows, slots, max_row_passes, second_row_wait)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
     if slots is not None:
         from specgen.decoding.ssd_stream import generate_stream
         return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
-                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes)
+                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes,
+                               second_row_wait)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g = st.g
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
         return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft,
-                               redraft_rows, max_row_passes)
+                               redraft_rows, max_row_passes, second_row_wait)
     return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature)
 
 
@@ -203,7 +214,7 @@ def _generate_rows(st: SpecState, drafter, rounds: int, exact: bool, vertical: b
     stats = {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
              "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
              "accept_map": accept_map, "unchecked_tokens": unchecked.float(), "row_final_pass": row_final,
-             "state_slots": st.hid.peak_slots}
+             "state_slots": st.hid.peak_slots, "tokens_fed": st.fed_per_image()}
     return codes, stats
 
 
@@ -235,12 +246,13 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
 
 def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
                     max_window_rows: int | None, draft_temperature: float | None, redraft: int = 0,
-                    redraft_rows: int | None = None, max_row_passes: int | None = None):
+                    redraft_rows: int | None = None, max_row_passes: int | None = None,
+                    second_row_wait: int | None = None):
     """`carry=True`: per-image rows over one verification window (see `ssd_window.CarryWindow`)."""
     g, B = st.g, st.B
     dev = st.seq.device
     win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature, redraft_rows,
-                      max_row_passes)
+                      max_row_passes, second_row_wait)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
@@ -258,7 +270,7 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
                    "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
                    "accept_map": accept_map,
                    "image_passes": (win.passes + 1).float(), "row_final_pass": win.row_final,
-                   "flush_passes": flush, "state_slots": st.hid.peak_slots,
+                   "flush_passes": flush, "state_slots": st.hid.peak_slots, "tokens_fed": st.fed_per_image(),
                    **win.pass_stats()}
 
 

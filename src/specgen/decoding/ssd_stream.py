@@ -33,11 +33,12 @@ class _Image:
 
     def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rounds: int, vertical: bool,
                  max_window_rows: int | None, draft_temperature: float | None, redraft: int, sampling: dict,
-                 redraft_rows: int | None = None, max_row_passes: int | None = None):
+                 redraft_rows: int | None = None, max_row_passes: int | None = None,
+                 second_row_wait: int | None = None):
         self.index = index
         self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
         self.win = CarryWindow(self.st, rounds, None, max_window_rows, redraft, drafter, draft_temperature,
-                               redraft_rows, max_row_passes)
+                               redraft_rows, max_row_passes, second_row_wait)
         g, dev = self.st.g, self.st.seq.device
         self.accept_map = torch.zeros(1, g.height, g.width, dtype=torch.bool, device=dev)
         self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
@@ -74,7 +75,8 @@ class _Image:
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, cfg_scale: float,
                     temperature: float, top_k: int | None, rngs, rounds: int, vertical: bool,
                     max_window_rows: int | None, draft_temperature: float | None, redraft: int,
-                    redraft_rows: int | None = None, max_row_passes: int | None = None):
+                    redraft_rows: int | None = None, max_row_passes: int | None = None,
+                    second_row_wait: int | None = None):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
@@ -107,7 +109,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
                     break
                 running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], drafter,
                                     rounds, vertical, max_window_rows, draft_temperature, redraft, sampling,
-                                    redraft_rows, max_row_passes)
+                                    redraft_rows, max_row_passes, second_row_wait)
                 ends[s] = running[s].next_pass()
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:
@@ -144,7 +146,8 @@ def _collect(images: list[_Image], nfe: int, slots: int):
                    "accept_rate": accept_map.float().mean((1, 2)),
                    "rounds_per_row": torch.cat([img.rounds_used for img in images]).float().mean(1),
                    "accept_map": accept_map,
-                   "image_passes": passes, "row_final_pass": torch.cat([img.win.row_final for img in images]),
+                   "image_passes": passes, "tokens_fed": torch.cat([img.st.fed_per_image() for img in images]),
+                   "row_final_pass": torch.cat([img.win.row_final for img in images]),
                    "flush_passes": sum(img.flush for img in images) / len(images),
                    "slot_occupancy": float(passes.sum()) / (nfe * slots),
                    "state_slots": max(img.st.hid.peak_slots for img in images), **per}

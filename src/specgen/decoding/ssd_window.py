@@ -22,7 +22,8 @@ class CarryWindow:
 
     def __init__(self, st: SpecState, rounds: int, max_lead: int | None, max_window_rows: int | None = None,
                  redraft: int = 0, drafter=None, draft_temperature: float | None = None,
-                 redraft_rows: int | None = None, max_row_passes: int | None = None):
+                 redraft_rows: int | None = None, max_row_passes: int | None = None,
+                 second_row_wait: int | None = None):
         B, dev, g = st.B, st.seq.device, st.g
         self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
         self.redraft, self.drafter, self.draft_temperature = redraft, drafter, draft_temperature
@@ -30,6 +31,9 @@ class CarryWindow:
         # a row that has been an image's frontier row for this many passes is kept as it stands (None: carried until
         # every token is final)
         self.max_row_passes = max_row_passes
+        # the second row is not drafted while more than this many of the first row's tokens are not final (None: no
+        # such wait)
+        self.second_row_wait = second_row_wait
         self.row_passes = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # passes as the frontier row
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
@@ -70,6 +74,10 @@ class CarryWindow:
         ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.st.g.height)
         if self.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
             ok &= self.next_row - self.frontier_row() < self.max_window_rows
+        if self.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
+            g = self.st.g
+            unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto).clamp_min(0)  # first-row tokens not final
+            ok &= ~((self.next_row == 1) & (unsettled > self.second_row_wait))
         return ok
 
     def lead_ok(self) -> torch.Tensor:

@@ -125,6 +125,7 @@ class SpecState:
         self.cache = backbone.new_cache(self.rows)
         self.cached = 0  # cache positions [0, cached) hold the current tokens
         self.nfe = self.draft_calls = 0
+        self.fed = 0  # image positions fed to the target after the prefill (each pass feeds them to every image)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings of image tokens (any shape)."""
@@ -156,6 +157,13 @@ class SpecState:
         self.hid.write(start, hidden)
         self.cached = start + hidden.shape[1]
         self.nfe += 1
+        if start >= self.g.prefix_len:
+            self.fed += hidden.shape[1]
+
+    def fed_per_image(self) -> torch.Tensor:
+        """(B,) image positions fed to the target after the prefill, per image: on a CPU a pass costs about a fixed
+        overhead plus a share per position fed, so passes and positions fed together set the wall clock."""
+        return torch.full((self.B,), float(self.fed), device=self.seq.device)
 
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.

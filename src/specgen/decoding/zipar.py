@@ -45,7 +45,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 3.
     state = {0: h[:, -1]}  # row -> state predicting its next token (B', D)
     count = [0] * g.height
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=dev)
-    nfe = 1
+    nfe, fed = 1, 0
     while count[-1] < g.width:
         active = [r for r in range(g.height) if r in state and count[r] < g.width]
         feed_ids, feed_pos, targets = [], [], []  # targets: rows whose next state each output becomes
@@ -76,7 +76,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 3.
                                       attn_mask=_mask(slot_pos, pos, x.shape[0], h.dtype))
         slot_pos = torch.cat([slot_pos, pos])
         nfe += 1
+        fed += pos.numel()
         for j, i in enumerate(order):
             for r in targets[i]:
                 state[r] = out[:, j]
-    return codes, {"nfe": nfe, "tokens_per_pass": g.num_visual_tokens / nfe}
+    return codes, {"nfe": nfe, "tokens_per_pass": g.num_visual_tokens / nfe,
+                   "tokens_fed": torch.full((B,), float(fed), device=dev)}

@@ -219,13 +219,15 @@ def speed_prompts(cfg: DictConfig, benchmarks: list = (), n: int | None = None) 
 def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> tuple[list[str], list[list]]:
     """(column headings, one row of cells per strategy): passes (at the largest batch size) and pass ratios against
     the reference (per batch size when there are several; a streaming strategy's at batch > 1 are per batch of that
-    size, see `speed.measure`), wall-clock ratios, tokens per pass,
+    size, see `speed.measure`), wall-clock ratios, image positions fed to the target per image at the smallest batch
+    size (a pass's compute follows them), tokens per pass,
     and every quality benchmark that ran (GenEval and DPG with their 95% intervals, CLIPScore, FID with its sample
     size); '-' where a strategy has no value."""
     ratios = [("speed/nfe_ratio", "nfe ratio", "{:.2f}")] if len(batch_sizes) < 2 else \
         [(f"speed/nfe_ratio_bs{b}", f"nfe x bs{b}", "{:.2f}") for b in batch_sizes]
     cols = [("speed/nfe", "nfe", "{:.1f}")] + ratios \
         + [(f"speed/wall_ratio_bs{b}", f"wall x bs{b}", "{:.2f}") for b in batch_sizes] \
+        + [(f"speed/tokens_fed_bs{min(batch_sizes)}", f"fed bs{min(batch_sizes)}", "{:.0f}")] \
         + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
            ("dpg/overall", "DPG", "{:.1f}", True), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
            ("fidelity/fid", "FID", "{:.2f}"), ("geneval/overall", "GenEval (95%)", "{:.3f}", True)]

@@ -1,0 +1,197 @@
+"""Where SSD's wall clock goes at batch 1, against AR's, on the machine it runs on.
+
+Every target forward is timed with the positions it feeds, every draft call (the first row's right chain, the down
+rows, the re-drafts) with its own clock, and the rest of a decode (verification: the target's distributions, the
+accept/resample draws, the window's bookkeeping) is what remains of its wall time. From all timed forwards of all
+strategies a per-pass cost model is fitted by least squares:
+
+    t_pass = a + b x (positions fed)                (seconds; a: the fixed cost of a forward, b: per position)
+
+so that a strategy's target time is about a x passes + b x positions fed. On a CPU a small model's forward of one
+position is mostly fixed cost (AR's step), while a forward of a two-row window costs several times more: passes saved
+and positions fed pull the wall clock in opposite directions. The report gives, per strategy, the split of its wall
+time, its passes and positions fed, and two projections from the fitted model: the wall ratio against AR if drafting
+and verification cost nothing, and the positions fed per image that a target wall ratio would allow at the
+strategy's passes (`--target-ratio`), with drafting and verification as measured and with both free (a negative
+budget: the ratio is out of reach at those passes even if nothing were fed).
+
+    python -m specgen.analysis.ssd_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
+        --drafter checkpoints/fphi_accept --prompts 16 --threads 2 --out logs/ssd_costs
+
+-> <out>/ssd_costs.json. Strategies: AR and the decoding configs `ssd` and `ssd_paper` (`--strategy NAME` for others,
+`--variant NAME=key:value,...` for `ssd.generate` option sets, as in `row_passes`), the same prompts and per-image
+seeds for each, one warm-up image first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specgen.analysis.row_passes import config_strategies, parse_variant
+from specgen.backbones.loading import load_shapes_generator
+from specgen.decoding import ar, ssd
+from specgen.decoding.sampling import make_rngs
+from specgen.decoding.ssd_window import CarryWindow
+from specgen.evaluation.benchmarks import mixed_prompts
+from specgen.utils.checkpoints import atomic_write_text, load_exported
+
+DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redraft"))
+
+
+class Clock:
+    """Timed target forwards (positions fed, rows, seconds) and the seconds spent drafting."""
+
+    def __init__(self):
+        self.forwards: list[tuple[int, int, float]] = []
+        self.draft_s = 0.0
+
+    def reset(self):
+        self.forwards, self.draft_s = [], 0.0
+
+
+@contextmanager
+def clocked(backbone, clock: Clock):
+    """Time `backbone.forward_embeds` and SSD's draft functions for the duration of the block."""
+    forward = backbone.forward_embeds
+
+    def timed_forward(embeds, *args, **kwargs):
+        t = time.perf_counter()
+        out = forward(embeds, *args, **kwargs)
+        clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t))
+        return out
+
+    def timed(fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.draft_s += time.perf_counter() - t
+        return wrapper
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
+    backbone.forward_embeds = timed_forward
+    for owner, name, fn in saved:
+        setattr(owner, name, timed(fn))
+    try:
+        yield clock
+    finally:
+        del backbone.forward_embeds  # the instance attribute: the class method is back
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@torch.no_grad()
+def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies: dict[str, dict],
+            seed: int = 0) -> dict:
+    """Per strategy (AR first): per-image means of wall, target, draft and other seconds, passes, positions fed
+    after the prefill; and every timed forward (positions, rows, seconds) for the cost model."""
+    clock = Clock()
+    decoders = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
+    for name, options in strategies.items():
+        decoders[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
+                                                                 rngs=rngs, **o))(options)
+    out = {}
+    with clocked(backbone, clock):
+        for name, decode in decoders.items():
+            decode(backbone.prompts(prompts[:1]), make_rngs([seed]))  # warm-up
+            clock.reset()
+            wall, passes, fed = 0.0, [], []
+            for i, text in enumerate(prompts):
+                t = time.perf_counter()
+                _, stats = decode(backbone.prompts([text]), make_rngs([seed + i]))
+                wall += time.perf_counter() - t
+                passes.append(stats["nfe"])
+                fed.append(float(stats["tokens_fed"][0]))
+            n = len(prompts)
+            target = sum(f[2] for f in clock.forwards)
+            out[name] = {"images": n, "wall_s": wall / n, "target_s": target / n, "draft_s": clock.draft_s / n,
+                         "other_s": (wall - target - clock.draft_s) / n, "passes": float(np.mean(passes)),
+                         "tokens_fed": float(np.mean(fed)), "forwards": list(clock.forwards)}
+    return out
+
+
+def fit_pass_cost(result: dict) -> tuple[float, float]:
+    """Least-squares (a, b) of t = a + b x positions over every timed forward after each decode's prefill (the
+    prefill feeds the prompt: the first forward of each image is left out by its position count, the prompt's)."""
+    rows = [(q, t) for r in result.values() for q, _, t in r["forwards"]]
+    prompt_len = max(q for q, _ in rows)
+    rows = [(q, t) for q, t in rows if q != prompt_len] or rows
+    q, t = np.array(rows, dtype=float).T
+    b, a = np.polyfit(q, t, 1) if len(set(q)) > 1 else (0.0, float(t.mean()))
+    return float(a), float(b)
+
+
+def report(result: dict, target_ratio: float) -> dict:
+    """The split per strategy, with ratios against AR and the cost model's projections."""
+    a, b = fit_pass_cost(result)
+    ref = result["ar"]
+    rows = {}
+    for name, r in result.items():
+        model_target = a * r["passes"] + b * r["tokens_fed"]
+        budget = ref["wall_s"] / target_ratio  # the wall time per image a target ratio allows
+        rows[name] = {k: r[k] for k in ("wall_s", "target_s", "draft_s", "other_s", "passes", "tokens_fed")}
+        rows[name].update({
+            "wall_ratio": ref["wall_s"] / r["wall_s"], "pass_ratio": ref["passes"] / r["passes"],
+            "fed_ratio": r["tokens_fed"] / ref["tokens_fed"], "model_target_s": model_target,
+            # the wall ratio if drafting and verification were free: passes and positions fed alone
+            "ratio_if_free_drafting": ref["wall_s"] / max(model_target, 1e-12),
+            # positions fed per image that `target_ratio` allows at these passes, with drafting and verification as
+            # now and with both free (negative: not reachable at these passes even feeding nothing)
+            "fed_allowed": (budget - a * r["passes"] - r["draft_s"] - r["other_s"]) / b if b > 0 else float("nan"),
+            "fed_allowed_free": (budget - a * r["passes"]) / b if b > 0 else float("nan")})
+    return {"pass_cost": {"fixed_s": a, "per_position_s": b, "forwards": sum(len(r["forwards"]) for r in result.values())},
+            "target_ratio": target_ratio, "strategies": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backbone", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts (one image each, batch 1)")
+    ap.add_argument("--cfg-scale", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--target-ratio", type=float, default=3.5, help="the wall ratio whose fed budget to report")
+    ap.add_argument("--out", required=True, help="folder for ssd_costs.json")
+    ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
+                    help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper (repeatable)")
+    ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
+                    help="an ssd.generate option set besides the strategies (repeatable)")
+    args = ap.parse_args(argv)
+    if args.prompts < 1:
+        ap.error(f"--prompts {args.prompts}: give at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backbone = load_shapes_generator(args.backbone, args.tokenizer)
+    drafter = load_exported(args.drafter).eval()
+    prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
+    strategies = config_strategies(args.strategy) if args.strategy else config_strategies()
+    strategies.update(dict(parse_variant(v) for v in args.variant or ()))
+    out = report(measure(backbone, drafter, prompts, args.cfg_scale, strategies, args.seed), args.target_ratio)
+    path = Path(args.out)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path / "ssd_costs.json", json.dumps(out, indent=2))
+    pc = out["pass_cost"]
+    print(f"pass cost: {pc['fixed_s'] * 1e3:.2f} ms + {pc['per_position_s'] * 1e3:.3f} ms x positions fed "
+          f"({pc['forwards']} forwards, {torch.get_num_threads()} threads)")
+    print(f"{'strategy':<14} {'wall ms':>8} {'target':>7} {'draft':>7} {'other':>7} {'passes':>7} {'fed':>6} "
+          f"{'wall x':>7} {'pass x':>7} {'x if free drafting':>18} {f'fed for {args.target_ratio:g}x':>12} "
+          f"{'(free drafting)':>15}")
+    for name, r in out["strategies"].items():
+        budget = ("-", "-") if name == "ar" else (f"{r['fed_allowed']:.0f}", f"{r['fed_allowed_free']:.0f}")
+        print(f"{name:<14} {r['wall_s'] * 1e3:>8.0f} {r['target_s'] * 1e3:>7.0f} {r['draft_s'] * 1e3:>7.0f} "
+              f"{r['other_s'] * 1e3:>7.0f} {r['passes']:>7.1f} {r['tokens_fed']:>6.0f} {r['wall_ratio']:>7.2f} "
+              f"{r['pass_ratio']:>7.2f} {r['ratio_if_free_drafting']:>18.2f} {budget[0]:>12} {budget[1]:>15}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
