@@ -104,6 +104,8 @@ ENTRIES = (
           (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_row_cap", "SSD: carry with a per-row pass cap (the paper's budget) against uncapped carry and AR, "
           "GenEval and passes", (*EVAL, "experiment=ssd_row_cap"), (*GENEVAL_QUICK, *SPEED_QUICK)),
+    Entry("ssd_second_row", "SSD: the second row's wait for the first row to settle (the default) against no wait "
+          "and AR, GenEval and passes", (*EVAL, "experiment=ssd_second_row"), (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_row_passes", "SSD: grid-size scaling along one grid (passes per row, carry vs the paper's rule)",
           ("-m", "specgen.analysis.row_passes", "--backbone", f"{CK}/ar_shapes", "--tokenizer", f"{CK}/vq_shapes",
            "--drafter", f"{CK}/fphi_accept", "--prompts", "32", "--out", "{out}"),
