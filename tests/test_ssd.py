@@ -629,7 +629,7 @@ def test_ssd_cost_split_adds_up_and_fits_the_pass_cost(tmp_path, tiny_exports):
     assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
     out = ssd_costs.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
                           "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
-                          "--variant", "carry1=rounds:1,carry:true"])
+                          "--strategy", "ssd", "--strategy", "ssd_paper", "--variant", "carry1=rounds:1,carry:true"])
     saved = json.loads((tmp_path / "ssd_costs.json").read_text())
     assert list(saved["strategies"]) == ["ar", "ssd", "ssd_paper", "carry1"]
     for name, r in out["strategies"].items():

@@ -128,29 +128,42 @@ def plot(result: dict, path: Path) -> None:
     save(fig, path)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_world_args(ap: argparse.ArgumentParser, prompts: int) -> None:
+    """The arguments of an SSD analysis on one world: its checkpoints, held-out prompts, CFG, seed and strategies."""
     ap.add_argument("--backbone", required=True)
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts (one image each, batch 1)")
+    ap.add_argument("--prompts", type=int, default=prompts, help="held-out prompts (one image each, batch 1)")
     ap.add_argument("--cfg-scale", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
     ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
                     help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper "
                          "(repeatable)")
     ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
-                    help="an ssd.generate option set instead of the two default strategies (repeatable)")
-    args = ap.parse_args(argv)
-    if args.prompts < 2:
-        ap.error(f"--prompts {args.prompts}: give at least 2 (the intervals need two images)")
+                    help="an ssd.generate option set instead of the two default strategies, after the --strategy "
+                         "ones (repeatable)")
+
+
+def load_world(args: argparse.Namespace) -> tuple:
+    """(backbone, drafter, prompts, strategies) from `add_world_args`' arguments: the strategies named by --strategy
+    and --variant, or None for the default two."""
     backbone = load_shapes_generator(args.backbone, args.tokenizer)
     drafter = load_exported(args.drafter).eval()
     prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
     strategies = config_strategies(args.strategy) if args.strategy else None
     if args.variant:
         strategies = {**(strategies or {}), **dict(parse_variant(v) for v in args.variant)}
+    return backbone, drafter, prompts, strategies
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_world_args(ap, prompts=32)
+    ap.add_argument("--out", required=True, help="folder for row_passes.json and row_passes.png")
+    args = ap.parse_args(argv)
+    if args.prompts < 2:
+        ap.error(f"--prompts {args.prompts}: give at least 2 (the intervals need two images)")
+    backbone, drafter, prompts, strategies = load_world(args)
     result = row_passes(backbone, drafter, prompts, args.cfg_scale, args.seed, strategies)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

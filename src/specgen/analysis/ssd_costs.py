@@ -18,9 +18,9 @@ budget: the ratio is out of reach at those passes even if nothing were fed).
     python -m specgen.analysis.ssd_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
         --drafter checkpoints/fphi_accept --prompts 16 --threads 2 --out logs/ssd_costs
 
--> <out>/ssd_costs.json. Strategies: AR and the decoding configs `ssd` and `ssd_paper` (`--strategy NAME` for others,
-`--variant NAME=key:value,...` for `ssd.generate` option sets, as in `row_passes`), the same prompts and per-image
-seeds for each, one warm-up image first.
+-> <out>/ssd_costs.json. Strategies: AR and the decoding configs `ssd` and `ssd_paper` (`--strategy NAME` and
+`--variant NAME=key:value,...` instead, as in `row_passes`), the same prompts and per-image seeds for each, one
+warm-up image first.
 """
 from __future__ import annotations
 
@@ -33,13 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgen.analysis.row_passes import config_strategies, parse_variant
-from specgen.backbones.loading import load_shapes_generator
+from specgen.analysis.row_passes import add_world_args, config_strategies, load_world
 from specgen.decoding import ar, ssd
 from specgen.decoding.sampling import make_rngs
 from specgen.decoding.ssd_window import CarryWindow
-from specgen.evaluation.benchmarks import mixed_prompts
-from specgen.utils.checkpoints import atomic_write_text, load_exported
+from specgen.utils.checkpoints import atomic_write_text
 
 DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redraft"))
 
@@ -146,35 +144,24 @@ def report(result: dict, target_ratio: float) -> dict:
             # now and with both free (negative: not reachable at these passes even feeding nothing)
             "fed_allowed": (budget - a * r["passes"] - r["draft_s"] - r["other_s"]) / b if b > 0 else float("nan"),
             "fed_allowed_free": (budget - a * r["passes"]) / b if b > 0 else float("nan")})
-    return {"pass_cost": {"fixed_s": a, "per_position_s": b, "forwards": sum(len(r["forwards"]) for r in result.values())},
-            "target_ratio": target_ratio, "strategies": rows}
+    forwards = sum(len(r["forwards"]) for r in result.values())
+    return {"pass_cost": {"fixed_s": a, "per_position_s": b, "forwards": forwards}, "target_ratio": target_ratio,
+            "strategies": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backbone", required=True)
-    ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--drafter", required=True)
-    ap.add_argument("--prompts", type=int, default=16, help="held-out prompts (one image each, batch 1)")
-    ap.add_argument("--cfg-scale", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_world_args(ap, prompts=16)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--target-ratio", type=float, default=3.5, help="the wall ratio whose fed budget to report")
     ap.add_argument("--out", required=True, help="folder for ssd_costs.json")
-    ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
-                    help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper (repeatable)")
-    ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
-                    help="an ssd.generate option set besides the strategies (repeatable)")
     args = ap.parse_args(argv)
     if args.prompts < 1:
         ap.error(f"--prompts {args.prompts}: give at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    backbone = load_shapes_generator(args.backbone, args.tokenizer)
-    drafter = load_exported(args.drafter).eval()
-    prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
-    strategies = config_strategies(args.strategy) if args.strategy else config_strategies()
-    strategies.update(dict(parse_variant(v) for v in args.variant or ()))
+    backbone, drafter, prompts, strategies = load_world(args)
+    strategies = strategies or config_strategies()
     out = report(measure(backbone, drafter, prompts, args.cfg_scale, strategies, args.seed), args.target_ratio)
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)

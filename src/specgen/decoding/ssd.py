@@ -101,18 +101,17 @@ def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int
                    draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None,
                    max_row_passes: int | None = None, second_row_wait: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
-    if second_row_wait is not None:
-        expect_int("second_row_wait", second_row_wait, 0)
+    carry_only = {  # name -> (value, its least value, what it does, what bounds it without carry)
+        "second_row_wait": (second_row_wait, 0, "holds back the second row of the carry window",
+                            "a row is drafted when the row above is done"),
+        "max_row_passes": (max_row_passes, 1, "caps the passes over a carried row", "`rounds` bounds a row's passes")}
+    for name, (value, least, what, without) in carry_only.items():
+        if value is None:
+            continue
+        expect_int(name, value, least)
         if not carry:
-            raise ValueError(f"second_row_wait={second_row_wait} holds back the second row of the carry window and "
-                             f"needs carry=true (without carry, a row is drafted when the row above is done); set "
-                             f"second_row_wait=null or carry=true")
-    if max_row_passes is not None:
-        expect_int("max_row_passes", max_row_passes, 1)
-        if not carry:
-            raise ValueError(f"max_row_passes={max_row_passes} caps the passes over a carried row and needs "
-                             f"carry=true (without carry, `rounds` bounds a row's passes); set max_row_passes=null "
-                             f"or carry=true")
+            raise ValueError(f"{name}={value} {what} and needs carry=true (without carry, {without}); set "
+                             f"{name}=null or carry=true")
     if slots is not None and not carry:
         raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
                          f"carry=true; set carry=true or slots=null")
