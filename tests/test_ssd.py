@@ -615,25 +615,31 @@ def test_continuous_batching_reports_each_images_own_tokens_fed():
 
 
 
-def test_ssd_cost_split_adds_up_and_fits_the_pass_cost(tmp_path, tiny_exports):
-    """analysis.ssd_costs: per strategy, target + draft + other seconds make the wall time, passes and positions fed
-    are the decoders' own counts (AR's: every image token but the last, and the end-of-row tokens but the last), the
-    fitted pass cost explains the target time, and the fit recovers a known linear cost."""
+def test_ssd_cost_split_sees_every_forward_and_fits_the_pass_cost(tmp_path, tiny_exports, monkeypatch):
+    """analysis.ssd_costs: the clock sees every target forward (one per pass, each decode's prefill flagged), the
+    draft clock runs for SSD only, passes and positions fed are the decoders' own counts (AR's: every image token but
+    the last, and the end-of-row tokens but the last), and the fit leaves the prefills out and recovers a known
+    linear cost."""
     import json
 
     from specgen.analysis import ssd_costs
 
-    fake = {"ar": {"forwards": [(40, 2, 1.0)] + [(q, 2, 0.002 + 0.0005 * q) for q in (1, 2, 1, 2)]},
-            "ssd": {"forwards": [(40, 2, 1.0)] + [(q, 2, 0.002 + 0.0005 * q) for q in (10, 20, 34)]}}
+    line = lambda q: 0.002 + 0.0005 * q  # noqa: E731
+    fake = {"ar": {"forwards": [(40, 2, 1.0, True)] + [(q, 2, line(q), False) for q in (1, 2, 1, 2)]},
+            "ssd": {"forwards": [(40, 2, 1.0, True)] + [(q, 2, line(q), False) for q in (10, 20, 40)]}}
     a, b = ssd_costs.fit_pass_cost(fake)  # the prompt's forwards are left out of the fit
     assert a == pytest.approx(0.002) and b == pytest.approx(0.0005)
+    measured, report = {}, ssd_costs.report
+    monkeypatch.setattr(ssd_costs, "report", lambda result, ratio: measured.update(result) or report(result, ratio))
     out = ssd_costs.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
                           "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
                           "--strategy", "ssd", "--strategy", "ssd_paper", "--variant", "carry1=rounds:1,carry:true"])
     saved = json.loads((tmp_path / "ssd_costs.json").read_text())
     assert list(saved["strategies"]) == ["ar", "ssd", "ssd_paper", "carry1"]
     for name, r in out["strategies"].items():
-        assert r["target_s"] + r["draft_s"] + r["other_s"] == pytest.approx(r["wall_s"])
+        forwards = measured[name]["forwards"]
+        assert len(forwards) == round(r["passes"] * 2) and sum(f[3] for f in forwards) == 2  # 2 images, 2 prefills
+        assert sum(f[0] for f in forwards if not f[3]) == round(r["tokens_fed"] * 2)
         assert r["target_s"] > 0 and r["other_s"] > 0 and (r["draft_s"] > 0) == (name != "ar")
         assert r["tokens_fed"] >= 16 * 16 - 1 + 15
     assert out["strategies"]["ar"]["passes"] == 256 and out["strategies"]["ar"]["tokens_fed"] == 16 * 16 - 1 + 15

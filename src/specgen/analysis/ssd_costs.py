@@ -43,10 +43,10 @@ DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redr
 
 
 class Clock:
-    """Timed target forwards (positions fed, rows, seconds) and the seconds spent drafting."""
+    """Timed target forwards (positions fed, rows, seconds, whether it was a prefill) and the seconds spent drafting."""
 
     def __init__(self):
-        self.forwards: list[tuple[int, int, float]] = []
+        self.forwards: list[tuple[int, int, float, bool]] = []
         self.draft_s = 0.0
 
     def reset(self):
@@ -58,10 +58,11 @@ def clocked(backbone, clock: Clock):
     """Time `backbone.forward_embeds` and SSD's draft functions for the duration of the block."""
     forward = backbone.forward_embeds
 
-    def timed_forward(embeds, *args, **kwargs):
+    def timed_forward(embeds, slots, *args, **kwargs):
         t = time.perf_counter()
-        out = forward(embeds, *args, **kwargs)
-        clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t))
+        out = forward(embeds, slots, *args, **kwargs)
+        prefill = int(slots.min()) == 0  # a decode's first forward feeds the prompt from slot 0
+        clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t, prefill))
         return out
 
     def timed(fn):
@@ -108,7 +109,7 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
                 passes.append(stats["nfe"])
                 fed.append(float(stats["tokens_fed"][0]))
             n = len(prompts)
-            target = sum(f[2] for f in clock.forwards)
+            target = sum(f[2] for f in clock.forwards)  # prefills included: they are part of each decode
             out[name] = {"images": n, "wall_s": wall / n, "target_s": target / n, "draft_s": clock.draft_s / n,
                          "other_s": (wall - target - clock.draft_s) / n, "passes": float(np.mean(passes)),
                          "tokens_fed": float(np.mean(fed)), "forwards": list(clock.forwards)}
@@ -116,11 +117,11 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
 
 
 def fit_pass_cost(result: dict) -> tuple[float, float]:
-    """Least-squares (a, b) of t = a + b x positions over every timed forward after each decode's prefill (the
-    prefill feeds the prompt: the first forward of each image is left out by its position count, the prompt's)."""
-    rows = [(q, t) for r in result.values() for q, _, t in r["forwards"]]
-    prompt_len = max(q for q, _ in rows)
-    rows = [(q, t) for q, t in rows if q != prompt_len] or rows
+    """Least-squares (a, b) of t = a + b x positions over every timed forward but the prefills (they feed the
+    prompt, not image positions)."""
+    rows = [(q, t) for r in result.values() for q, _, t, prefill in r["forwards"] if not prefill]
+    if not rows:
+        raise ValueError("no timed forward after a prefill: decode at least one image")
     q, t = np.array(rows, dtype=float).T
     b, a = np.polyfit(q, t, 1) if len(set(q)) > 1 else (0.0, float(t.mean()))
     return float(a), float(b)
