@@ -323,6 +323,41 @@ def test_options_that_do_not_combine_raise():
         ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), carry=True, max_lead=-1)
 
 
+def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
+    """The window's options travel as one `CarryRule`: each of its fields is an `ssd.generate` keyword whose value
+    reaches the window unchanged (its default included), so an option cannot be dropped on the way."""
+    import dataclasses
+    import inspect
+
+    from specgen.decoding.ssd_window import CarryRule, CarryWindow
+
+    params = inspect.signature(ssd.generate).parameters
+    fields = {f.name for f in dataclasses.fields(CarryRule)}
+    assert fields <= set(params)
+    m = tiny(True, grid=6)
+    seen = []
+    init = CarryWindow.__init__
+
+    def spy(self, st, rule, drafter=None):
+        seen.append(rule)
+        init(self, st, rule, drafter)
+
+    values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
+                  max_row_passes=4, second_row_wait=1)
+    assert set(values) == fields
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CarryWindow, "__init__", spy)
+        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), cfg_scale=3.0, carry=True,
+                     rngs=make_rngs([0]), **values)
+        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), cfg_scale=3.0, carry=True,
+                     rngs=make_rngs([0]))
+        ssd.generate(m, m.prompts(PROMPTS[:2]), noisy_drafter(m), cfg_scale=3.0, carry=True, slots=1,
+                     rngs=make_rngs([0, 1]), **values)
+    assert seen[0] == CarryRule(**values)
+    assert seen[1] == CarryRule(**{f: params[f].default for f in fields})
+    assert seen[2:] and all(r == CarryRule(**dict(values, max_lead=None)) for r in seen[2:])  # a stream has no lead
+
+
 def test_window_bound_keeps_greedy_equality_and_batch_invariance():
     """max_window_rows: no image has more rows than the bound not final when it drafts; outputs stay exact."""
     m = tiny(True, grid=6)

@@ -30,7 +30,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, sample_probs
-from specgen.decoding.ssd_window import CarryWindow
+from specgen.decoding.ssd_window import CarryRule, CarryWindow
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
@@ -96,16 +96,15 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
-def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int | None,
-                   max_window_rows: int | None, redraft: int, temperature: float,
-                   draft_temperature: float | None, redraft_rows: int | None = None, slots: int | None = None,
-                   max_row_passes: int | None = None, second_row_wait: int | None = None) -> None:
+def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperature: float,
+                   slots: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
-    carry_only = {  # name -> (value, its least value, what it does, what bounds it without carry)
-        "second_row_wait": (second_row_wait, 0, "holds back the second row of the carry window",
+    carry_only = {  # name -> (its least value, what it does, what bounds it without carry)
+        "second_row_wait": (0, "holds back the second row of the carry window",
                             "a row is drafted when the row above is done"),
-        "max_row_passes": (max_row_passes, 1, "caps the passes over a carried row", "`rounds` bounds a row's passes")}
-    for name, (value, least, what, without) in carry_only.items():
+        "max_row_passes": (1, "caps the passes over a carried row", "`rounds` bounds a row's passes")}
+    for name, (least, what, without) in carry_only.items():
+        value = getattr(rule, name)
         if value is None:
             continue
         expect_int(name, value, least)
@@ -118,23 +117,20 @@ def _check_options(drafter, rounds: int, exact: bool, carry: bool, max_lead: int
     if carry and exact:
         raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
                          "right and never carries any; set one of them to false")
-    expect_int("rounds", rounds, 0)
-    if max_lead is not None:
-        expect_int("max_lead", max_lead, 0)
-    if max_window_rows is not None:
-        expect_int("max_window_rows", max_window_rows, 1)
-    expect_int("redraft", redraft, 0)
-    if redraft_rows is not None:
-        expect_int("redraft_rows", redraft_rows, 1)
-    if redraft and not carry:
-        raise ValueError(f"redraft={redraft} re-drafts tokens carried to the next pass and needs carry=true (the "
-                         f"paper's rule keeps no carried tokens); set redraft=0 or carry=true")
-    if redraft and getattr(drafter, "predicts", "hidden") == "tokens":
-        raise ValueError(f"redraft={redraft} chains f_phi.right from a target state and needs a hidden-state "
+    expect_int("rounds", rule.rounds, 0)
+    for name, least in (("max_lead", 0), ("max_window_rows", 1), ("redraft_rows", 1)):
+        if getattr(rule, name) is not None:
+            expect_int(name, getattr(rule, name), least)
+    expect_int("redraft", rule.redraft, 0)
+    if rule.redraft and not carry:
+        raise ValueError(f"redraft={rule.redraft} re-drafts tokens carried to the next pass and needs carry=true "
+                         f"(the paper's rule keeps no carried tokens); set redraft=0 or carry=true")
+    if rule.redraft and getattr(drafter, "predicts", "hidden") == "tokens":
+        raise ValueError(f"redraft={rule.redraft} chains f_phi.right from a target state and needs a hidden-state "
                          f"drafter; this one predicts token ids: set redraft=0")
     expect_float("temperature", temperature, 0.0)
-    if draft_temperature is not None:
-        expect_float("draft_temperature", draft_temperature, 0.0)
+    if rule.draft_temperature is not None:
+        expect_float("draft_temperature", rule.draft_temperature, 0.0)
 
 
 @torch.no_grad()
@@ -167,21 +163,20 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included);
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
-    _check_options(drafter, rounds, exact, carry, max_lead, max_window_rows, redraft, temperature,
-                   draft_temperature, redraft_rows, slots, max_row_passes, second_row_wait)
+    rule = CarryRule(rounds, max_lead, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes,
+                     second_row_wait)
+    _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
     if slots is not None:
         from specgen.decoding.ssd_stream import generate_stream
-        return generate_stream(backbone, prompts, drafter, slots, cfg_scale, temperature, top_k, rngs, rounds,
-                               vertical, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes,
-                               second_row_wait)
+        return generate_stream(backbone, prompts, drafter, slots, rule, cfg_scale, temperature, top_k, rngs,
+                               vertical)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs)
     g = st.g
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
-        return _generate_carry(st, drafter, rounds, vertical, max_lead, max_window_rows, draft_temperature, redraft,
-                               redraft_rows, max_row_passes, second_row_wait)
+        return _generate_carry(st, drafter, rule, vertical)
     return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature)
 
 
@@ -243,20 +238,16 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
     return first_accept, used, unchecked
 
 
-def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lead: int | None,
-                    max_window_rows: int | None, draft_temperature: float | None, redraft: int = 0,
-                    redraft_rows: int | None = None, max_row_passes: int | None = None,
-                    second_row_wait: int | None = None):
+def _generate_carry(st: SpecState, drafter, rule: CarryRule, vertical: bool):
     """`carry=True`: per-image rows over one verification window (see `ssd_window.CarryWindow`)."""
     g, B = st.g, st.B
     dev = st.seq.device
-    win = CarryWindow(st, rounds, max_lead, max_window_rows, redraft, drafter, draft_temperature, redraft_rows,
-                      max_row_passes, second_row_wait)
+    win = CarryWindow(st, rule, drafter)
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
     rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
     while True:
-        draft_due(st, win, drafter, vertical, draft_temperature)
+        draft_due(st, win, drafter, vertical)
         if not win.live().any():
             if not (win.next_row < g.height).any():
                 break
@@ -273,9 +264,9 @@ def _generate_carry(st: SpecState, drafter, rounds: int, vertical: bool, max_lea
                    **win.pass_stats()}
 
 
-def draft_due(st: SpecState, win: CarryWindow, drafter, vertical: bool, draft_temperature: float | None) -> None:
+def draft_due(st: SpecState, win: CarryWindow, drafter, vertical: bool) -> None:
     """Release the states no draft or pass reads any more, and draft the rows that are due (`win.ready()`)."""
-    g, dev = st.g, st.seq.device
+    g, dev, draft_temperature = st.g, st.seq.device, win.rule.draft_temperature
     st.hid.release(win.floor())
     ready = win.ready()
     if not ready.any():

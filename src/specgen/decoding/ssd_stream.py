@@ -13,10 +13,12 @@ feeds, prompts included); `image_passes` (per image) the forwards each image too
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
-from specgen.decoding.ssd_window import CarryWindow
+from specgen.decoding.ssd_window import CarryRule, CarryWindow
 from specgen.decoding.state import SpecState
 from specgen.utils.validate import expect_int
 
@@ -31,18 +33,15 @@ class _SlotState(SpecState):
 class _Image:
     """One image of the stream: batch-1 SSD with carry, advanced between the shared passes."""
 
-    def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rounds: int, vertical: bool,
-                 max_window_rows: int | None, draft_temperature: float | None, redraft: int, sampling: dict,
-                 redraft_rows: int | None = None, max_row_passes: int | None = None,
-                 second_row_wait: int | None = None):
+    def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rule: CarryRule, vertical: bool,
+                 sampling: dict):
         self.index = index
         self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
-        self.win = CarryWindow(self.st, rounds, None, max_window_rows, redraft, drafter, draft_temperature,
-                               redraft_rows, max_row_passes, second_row_wait)
+        self.win = CarryWindow(self.st, rule, drafter)
         g, dev = self.st.g, self.st.seq.device
         self.accept_map = torch.zeros(1, g.height, g.width, dtype=torch.bool, device=dev)
         self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
-        self.drafter, self.vertical, self.draft_temperature = drafter, vertical, draft_temperature
+        self.drafter, self.vertical = drafter, vertical
         self.flush = 0
 
     def next_pass(self) -> int | None:
@@ -54,7 +53,7 @@ class _Image:
         if st.cached < st.g.prefix_len:
             return st.g.prefix_len  # the prefill
         while True:
-            draft_due(st, win, self.drafter, self.vertical, self.draft_temperature)
+            draft_due(st, win, self.drafter, self.vertical)
             if not win.live().any():
                 if not (win.next_row < H).any():
                     return None
@@ -72,18 +71,17 @@ class _Image:
 
 
 @torch.no_grad()
-def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, cfg_scale: float,
-                    temperature: float, top_k: int | None, rngs, rounds: int, vertical: bool,
-                    max_window_rows: int | None, draft_temperature: float | None, redraft: int,
-                    redraft_rows: int | None = None, max_row_passes: int | None = None,
-                    second_row_wait: int | None = None):
-    """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring)."""
+def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, rule: CarryRule,
+                    cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True):
+    """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). Each image
+    moves its window by `rule` (its `max_lead` is not read: a stream image has no batch to run ahead of)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
         raise ValueError(f"slots={slots} (continuous batching) needs a backbone with per-row cache lengths "
                          f"(new_ragged_cache); {type(backbone).__name__} has none: set slots=null to decode fixed "
                          f"batches")
+    rule = replace(rule, max_lead=None)
     N = len(prompts)
     if rngs is not None and len(rngs) != N:
         raise ValueError(f"{len(rngs)} random streams for {N} prompts: give one per prompt (make_rngs)")
@@ -108,8 +106,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
                 if i is None:
                     break
                 running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], drafter,
-                                    rounds, vertical, max_window_rows, draft_temperature, redraft, sampling,
-                                    redraft_rows, max_row_passes, second_row_wait)
+                                    rule, vertical, sampling)
                 ends[s] = running[s].next_pass()
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:

@@ -3,10 +3,34 @@ not final yet, their proposals, when an image drafts its next row, one target pa
 passes go (per-image change rates and tokens finalised per pass)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specgen.decoding.sampling import accept_or_resample, sample_probs
 from specgen.decoding.state import SpecState
+
+
+@dataclass(frozen=True)
+class CarryRule:
+    """How the carry window moves: the options of `ssd.generate` that only `carry=True` reads (documented there).
+
+    rounds: passes on an image's newest row before its next row is due (a row's budget, r + 1 passes);
+    max_lead: rows an image may run ahead of the batch's slowest (None: no bound; a stream sets None);
+    max_window_rows: rows not final yet, the new one included, below which an image drafts its next row;
+    draft_temperature: warps the drafted distribution q (None: the sampling temperature);
+    redraft / redraft_rows: tokens right of a pass's first change re-drafted by f_phi.right, in rows above this;
+    max_row_passes: passes after which a carried frontier row is kept as it stands (None: no cap);
+    second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait)."""
+
+    rounds: int = 0
+    max_lead: int | None = None
+    max_window_rows: int | None = None
+    draft_temperature: float | None = None
+    redraft: int = 0
+    redraft_rows: int | None = None
+    max_row_passes: int | None = None
+    second_row_wait: int | None = None
 
 
 class CarryWindow:
@@ -20,20 +44,10 @@ class CarryWindow:
     image's tokens and pass count do not depend on its batch (up to floating-point differences of batched
     matmuls), and batch-1 decoding is the reference of every batch size."""
 
-    def __init__(self, st: SpecState, rounds: int, max_lead: int | None, max_window_rows: int | None = None,
-                 redraft: int = 0, drafter=None, draft_temperature: float | None = None,
-                 redraft_rows: int | None = None, max_row_passes: int | None = None,
-                 second_row_wait: int | None = None):
+    def __init__(self, st: SpecState, rule: CarryRule, drafter=None):
         B, dev, g = st.B, st.seq.device, st.g
-        self.st, self.rounds, self.max_lead, self.max_window_rows = st, rounds, max_lead, max_window_rows
-        self.redraft, self.drafter, self.draft_temperature = redraft, drafter, draft_temperature
-        self.redraft_rows = g.height if redraft_rows is None else redraft_rows  # re-draft only in rows below this
-        # a row that has been an image's frontier row for this many passes is kept as it stands (None: carried until
-        # every token is final)
-        self.max_row_passes = max_row_passes
-        # the second row is not drafted while more than this many of the first row's tokens are not final (None: no
-        # such wait)
-        self.second_row_wait = second_row_wait
+        self.st, self.rule, self.drafter = st, rule, drafter
+        self.redraft_rows = g.height if rule.redraft_rows is None else rule.redraft_rows  # re-draft above this row
         self.row_passes = torch.zeros(B, g.height, dtype=torch.long, device=dev)  # passes as the frontier row
         self.final_upto = torch.full((B,), g.position(0, 0), dtype=torch.long, device=dev)
         self.drafted_upto = self.final_upto.clone()
@@ -71,21 +85,22 @@ class CarryWindow:
     def wants(self) -> torch.Tensor:
         """(B,) images whose next row is due (window final or row budget spent) and within their own window bound:
         what batch-1 decoding would draft now."""
-        ok = (~self.live() | (self.spent > self.rounds)) & (self.next_row < self.st.g.height)
-        if self.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
-            ok &= self.next_row - self.frontier_row() < self.max_window_rows
-        if self.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
+        ok = (~self.live() | (self.spent > self.rule.rounds)) & (self.next_row < self.st.g.height)
+        rule = self.rule
+        if rule.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
+            ok &= self.next_row - self.frontier_row() < rule.max_window_rows
+        if rule.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
             g = self.st.g
             unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto).clamp_min(0)  # first-row tokens not final
-            ok &= ~((self.next_row == 1) & (unsettled > self.second_row_wait))
+            ok &= ~((self.next_row == 1) & (unsettled > rule.second_row_wait))
         return ok
 
     def lead_ok(self) -> torch.Tensor:
         """(B,) images not too far ahead of the batch's slowest unfinished image."""
         unfinished = self.next_row < self.st.g.height
-        if self.max_lead is None or not unfinished.any():
+        if self.rule.max_lead is None or not unfinished.any():
             return torch.ones_like(unfinished)
-        return self.next_row <= self.next_row[unfinished].min() + self.max_lead
+        return self.next_row <= self.next_row[unfinished].min() + self.rule.max_lead
 
     def ready(self) -> torch.Tensor:
         """(B,) images that draft their next row now."""
@@ -142,14 +157,14 @@ class CarryWindow:
             self.final_upto[b] = pos[own[first]] + 1  # final through the first change
             self._count(b, own, changed, first)
             kept = self._cap_rows(b, own, int(front[b]))
-            if self.redraft and changed.any() and not kept:
+            if self.rule.redraft and changed.any() and not kept:
                 redrafts.append(self._redraft(b, own, first, new[b]))
             r = int(self.first_row[b])
             if r >= 0:  # the first pass over a freshly drafted row: its acceptance map
                 row = g.row_col(pos[own])[0] == r
                 accept_map[b, r] = acc[0, row]
                 self.first_row[b] = -1
-            if self.spent[b] <= self.rounds:  # within the newest row's budget (later passes: carried tokens)
+            if self.spent[b] <= self.rule.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
         st.set_tokens(pos, new)
         self.prop = torch.where(torch.isin(torch.arange(st.B, device=pos.device), act)[:, None, None], p, self.prop)
@@ -170,10 +185,10 @@ class CarryWindow:
         first change were judged with a left context that then changed: they are counted as unchecked (and as
         finalised). Only the frontier row can be kept: a row below it has not been the frontier yet. Returns how
         many tokens were kept that way."""
-        if self.max_row_passes is None:
+        if self.rule.max_row_passes is None:
             return 0
         self.row_passes[b, front] += 1
-        if int(self.frontier_row()[b]) != front or self.row_passes[b, front] < self.max_row_passes:
+        if int(self.frontier_row()[b]) != front or self.row_passes[b, front] < self.rule.max_row_passes:
             return 0
         pos, start = self.pos, int(self.final_upto[b])
         upto = min(self.st.g.position(front + 1, 0), int(self.drafted_upto[b]))  # through the row's end
@@ -192,7 +207,7 @@ class CarryWindow:
         st, g, pos = self.st, self.st.g, self.pos
         at = int(pos[own[first]])
         row = g.row_col(pos[own[first]])[0]
-        tail = own[first + 1: first + 1 + self.redraft] if int(row) < self.redraft_rows else own[:0]
+        tail = own[first + 1: first + 1 + self.rule.redraft] if int(row) < self.redraft_rows else own[:0]
         tail = tail[g.row_col(pos[tail])[0] == row]  # the changed token's row only
         if not tail.numel():
             return b, tail, self.prop.new_zeros(0, g.num_visual)
@@ -200,7 +215,7 @@ class CarryWindow:
         h, tok, qs = st.hid[rep, at - 1], tokens[own[first]].view(1), []
         for slot in tail.tolist():
             h = self.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
-            q = st.dist(h, self.draft_temperature)  # (1, V)
+            q = st.dist(h, self.rule.draft_temperature)  # (1, V)
             tok = sample_probs(q, st.image_gens([b]))
             tokens[slot] = tok[0]
             qs.append(q[0])
