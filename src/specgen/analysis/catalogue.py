@@ -155,6 +155,9 @@ ENTRIES = (
            "benchmark.geneval.prompts_per_task=12", "benchmark.fidelity.num_prompts=256",
            "ablation.prefill_ratio=0.0,0.05,0.15", "speed.batch_sizes=[1,16]", "speed.num_prompts=16", "num_threads=1"),
           CSPD_QUICK, sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
+    Entry("cspd_tail_sweep", "CSpD with a deterministic tail of m = 1, 3, 10 DDIM steps: alpha, quality and speed "
+          "against the target with the same sampler", (*EVAL, "experiment=cspd_tail_sweep", "num_threads=1"),
+          CSPD_QUICK),
     Entry("cspd_trace", "CSpD Table 3 per step: the paper's ratio aligned vs independent at inner temperatures "
           "1-42, the exact ratio, cost split",
           ("-m", "specgen.analysis.cspd_trace", "--backbone", f"{CK}/mar_p2_shapes", "--draft",
