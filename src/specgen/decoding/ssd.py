@@ -163,8 +163,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     with carry, stats["image_passes"] counts, per image, the passes it took part in (prefill included);
     stats["row_final_pass"] (B, H): the passes spent (prefill included; per image with carry, the batch's without)
     when each row was final."""
-    rule = CarryRule(rounds, max_lead, max_window_rows, draft_temperature, redraft, redraft_rows, max_row_passes,
-                     second_row_wait)
+    rule = CarryRule(rounds=rounds, max_lead=max_lead, max_window_rows=max_window_rows,
+                     draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
+                     max_row_passes=max_row_passes, second_row_wait=second_row_wait)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)

@@ -13,7 +13,8 @@ from specgen.decoding.state import SpecState
 
 @dataclass(frozen=True)
 class CarryRule:
-    """How the carry window moves: the options of `ssd.generate` that only `carry=True` reads (documented there).
+    """How the carry window moves: the options of `ssd.generate` that only `carry=True` reads (documented there;
+    no defaults here: `generate`'s are the ones).
 
     rounds: passes on an image's newest row before its next row is due (a row's budget, r + 1 passes);
     max_lead: rows an image may run ahead of the batch's slowest (None: no bound; a stream sets None);
@@ -23,14 +24,14 @@ class CarryRule:
     max_row_passes: passes after which a carried frontier row is kept as it stands (None: no cap);
     second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait)."""
 
-    rounds: int = 0
-    max_lead: int | None = None
-    max_window_rows: int | None = None
-    draft_temperature: float | None = None
-    redraft: int = 0
-    redraft_rows: int | None = None
-    max_row_passes: int | None = None
-    second_row_wait: int | None = None
+    rounds: int
+    max_lead: int | None
+    max_window_rows: int | None
+    draft_temperature: float | None
+    redraft: int
+    redraft_rows: int | None
+    max_row_passes: int | None
+    second_row_wait: int | None
 
 
 class CarryWindow:
@@ -85,8 +86,8 @@ class CarryWindow:
     def wants(self) -> torch.Tensor:
         """(B,) images whose next row is due (window final or row budget spent) and within their own window bound:
         what batch-1 decoding would draft now."""
-        ok = (~self.live() | (self.spent > self.rule.rounds)) & (self.next_row < self.st.g.height)
         rule = self.rule
+        ok = (~self.live() | (self.spent > rule.rounds)) & (self.next_row < self.st.g.height)
         if rule.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
             ok &= self.next_row - self.frontier_row() < rule.max_window_rows
         if rule.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
