@@ -50,6 +50,17 @@ def test_mar_sampling_is_reproducible_per_image_and_counts_its_work():
     assert plain["target_head_evals"] == 16 * 5 and plain["target_work_ratio"] == 1.0
 
 
+def test_schedule_allows_one_token_per_step_and_refuses_more_steps_than_tokens():
+    assert mar.schedule(16, 16) == list(range(1, 17))  # the authors' regime: one token per MAR step
+    m = _tiny_mar()
+    _, st = cspd.generate(m, PROMPTS, make_rngs([1, 2]), _near(m, 0.05), num_iter=16, gamma=4)
+    assert st["drafted"] + 2 * st["prefill_steps"] == 2 * 16  # every step after the pre-fill drafts one token
+    with pytest.raises(ValueError, match="num_iter=17 MAR steps for 16 tokens.*between 1 and 16"):
+        mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=17)
+    with pytest.raises(ValueError, match="num_iter=17 MAR steps for 16 tokens"):
+        cspd.generate(m, PROMPTS, make_rngs([1, 2]), _near(m, 0.05), num_iter=17)
+
+
 def test_linear_cfg_schedule_counts_the_tokens_known_after_the_step():
     """MAR: the scale of a step is 1 + (cfg - 1) x (known after the step) / L, never 1 with guidance."""
     m = _tiny_mar()

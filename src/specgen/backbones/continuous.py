@@ -69,6 +69,9 @@ class ContinuousBackbone(Protocol):
 
 def cosine_schedule(seq_len: int, num_iter: int) -> list[int]:
     """Tokens known after each of the num_iter steps (MAR's cosine schedule, at least one per step)."""
+    if not 1 <= num_iter <= seq_len:
+        raise ValueError(f"num_iter={num_iter} MAR steps for {seq_len} tokens: every step must sample at least one "
+                         f"token, so set num_iter between 1 and {seq_len} ({seq_len}: one token per step)")
     known, out = 0, []
     for step in range(num_iter):
         masked = math.floor(seq_len * math.cos(math.pi / 2 * (step + 1) / num_iter))
