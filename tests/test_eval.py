@@ -531,3 +531,28 @@ def test_mean_ci95_by_hand():
     per_col = mean_ci95(np.array([[1.0, 0.0], [3.0, 0.0]]), axis=0)
     assert per_col.shape == (2,) and per_col[0] == pytest.approx(1.96) and per_col[1] == 0.0
     assert mean_ci95(np.ones((1, 3)), axis=0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_paired_geneval_difference_against_a_hand_computation():
+    from specgen.evaluation.geneval import paired_difference
+    from specgen.evaluation.runner import geneval_differences, summary_rows
+
+    def rows(name, single, colors):
+        out = [dict(benchmark="geneval", tag="single_object", prompt="p", sample=i, seed=i, correct=c, decoding=name)
+               for i, c in enumerate(single)]
+        return out + [dict(benchmark="geneval", tag="colors", prompt="q", sample=i, seed=10 + i, correct=c,
+                           decoding=name) for i, c in enumerate(colors)]
+
+    ref, new = rows("ar", [1, 1, 0, 1], [1, 0, 0]), rows("ssd", [1, 0, 0, 1], [1, 1, 0])
+    new.append(dict(benchmark="geneval", tag="colors", prompt="q", sample=9, seed=99, correct=1, decoding="ssd"))  # unpaired
+    d = paired_difference(new, ref)
+    # single_object: differences 0, -1, 0, 0 (mean -0.25, var 0.25); colors: 0, 1, 0 (mean 1/3, var 1/3)
+    assert d["pairs"] == 7
+    assert d["overall_diff"] == pytest.approx((-0.25 + 1 / 3) / 2)
+    assert d["overall_diff_ci95"] == pytest.approx(1.96 * np.sqrt(0.25 / 4 + (1 / 3) / 3) / 2)
+    assert paired_difference(new, []) == {}
+    m = geneval_differences(ref + new, ["ar", "ssd"])
+    assert m["ssd/geneval/overall_diff"] == d["overall_diff"] and "ar/geneval/overall_diff" not in m
+    heads, table = summary_rows({**m, "ar/geneval/overall": 0.7, "ssd/geneval/overall": 0.75}, ["ar", "ssd"], [1])
+    col = heads.index("GenEval - ar")
+    assert table[0][col] == "-" and table[1][col] == f"{d['overall_diff']:+.3f} +-{d['overall_diff_ci95']:.3f}"

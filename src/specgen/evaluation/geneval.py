@@ -116,6 +116,26 @@ def summarize(results: list[dict]) -> dict[str, float]:
     return scores
 
 
+def paired_difference(results: list[dict], reference: list[dict]) -> dict[str, float]:
+    """GenEval overall of `results` minus that of `reference`, over the images both scored (the same task, prompt,
+    sample and seed: a side-by-side run's), with the 95% interval of the paired difference: per task the mean of
+    per-image differences (variance: their sample variance / n), overall the mean over tasks (tasks independent).
+    Pairing removes the prompts' own difficulty, so the interval is tighter than the two scores' intervals.
+    Returns {} when no image pairs up; `pairs` counts the pairs."""
+    key = lambda r: (r["tag"], r["prompt"], int(r["sample"]), int(r["seed"]))  # noqa: E731
+    ref = {key(r): float(r["correct"]) for r in reference if r["tag"] in TASKS}
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for r in results:
+        if r["tag"] in TASKS and key(r) in ref:
+            by_task[r["tag"]].append(float(r["correct"]) - ref[key(r)])
+    if not by_task:
+        return {}
+    diffs = [np.mean(d) for d in by_task.values()]
+    var = sum(np.var(d, ddof=1) / len(d) for d in by_task.values() if len(d) > 1)
+    return {"overall_diff": float(np.mean(diffs)), "overall_diff_ci95": float(1.96 * np.sqrt(var) / len(diffs)),
+            "pairs": float(sum(len(d) for d in by_task.values()))}
+
+
 def read_metadata(path: str | Path) -> list[dict]:
     """Read an official `evaluation_metadata.jsonl`, naming the line of any malformed entry."""
     path = Path(path)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from specgen.evaluation.entropy import token_entropy
 from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captioned_grid, pareto_png,
                                          sweep_png)
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
-from specgen.evaluation.geneval import TASKS
+from specgen.evaluation.geneval import TASKS, paired_difference
 from specgen.evaluation.speed import compare, prompts_needed
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
@@ -130,6 +131,7 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
                 maps[dec.name] = figs["accept_map"]
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
+    metrics.update(geneval_differences(rows, [s.name for s in cfg.strategies.values()]))
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
     batch_sizes, min_batches = list(cfg.speed.batch_sizes), int(cfg.speed.get("min_batches") or 1)
     prompts = speed_prompts(cfg, benchmarks, prompts_needed(cfg.speed.num_prompts, batch_sizes, min_batches))
@@ -161,6 +163,22 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     print(format_table(metrics))
     print(table)
     return metrics
+
+
+def geneval_differences(rows: list[dict], names: list[str]) -> dict[str, float]:
+    """Each strategy's GenEval overall minus the first strategy's (the reference) on the same images, with its
+    paired 95% interval: `<name>/geneval/overall_diff` (and `_ci95`, `diff_pairs`)."""
+    per = defaultdict(list)
+    for r in rows:
+        if r.get("benchmark") == "geneval":
+            per[r["decoding"]].append(r)
+    if not names or names[0] not in per:
+        return {}
+    out = {}
+    for name in names[1:]:
+        d = paired_difference(per.get(name, []), per[names[0]])
+        out.update({f"{name}/geneval/{'diff_pairs' if k == 'pairs' else k}": v for k, v in d.items()})
+    return out
 
 
 def speed_figures(cfg: DictConfig, metrics: dict[str, float], names: list[str], maps: dict[str, np.ndarray],
@@ -222,7 +240,8 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
     size, see `speed.measure`), wall-clock ratios, image positions fed to the target per image at the smallest batch
     size (a pass's compute follows them), tokens per pass,
     and every quality benchmark that ran (GenEval and DPG with their 95% intervals, CLIPScore, FID with its sample
-    size); '-' where a strategy has no value."""
+    size, and GenEval minus the first strategy's on the same images with its paired interval); '-' where a strategy
+    has no value."""
     ratios = [("speed/nfe_ratio", "nfe ratio", "{:.2f}")] if len(batch_sizes) < 2 else \
         [(f"speed/nfe_ratio_bs{b}", f"nfe x bs{b}", "{:.2f}") for b in batch_sizes]
     cols = [("speed/nfe", "nfe", "{:.1f}")] + ratios \
@@ -230,7 +249,8 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
         + [(f"speed/tokens_fed_bs{min(batch_sizes)}", f"fed bs{min(batch_sizes)}", "{:.0f}")] \
         + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
            ("dpg/overall", "DPG", "{:.1f}", True), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
-           ("fidelity/fid", "FID", "{:.2f}"), ("geneval/overall", "GenEval (95%)", "{:.3f}", True)]
+           ("fidelity/fid", "FID", "{:.2f}"), ("geneval/overall_diff", f"GenEval - {names[0]}", "{:+.3f}", True),
+           ("geneval/overall", "GenEval (95%)", "{:.3f}", True)]
     cols = [c for c in cols if any(f"{n}/{c[0]}" in metrics for n in names)]
     fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
     heads = ["strategy"] + [c[1] + (f" (n={int(fid_n)})" if c[0] == "fidelity/fid" and fid_n else "") for c in cols]
@@ -244,15 +264,14 @@ def _cell(metrics: dict[str, float], key: str, fmt: str, with_ci: bool = False) 
     if key not in metrics:
         return "-"
     ci = metrics.get(f"{key}_ci95") if with_ci else None
-    return fmt.format(metrics[key]) + ("" if ci is None else f" +-{fmt.format(ci)}")
+    return fmt.format(metrics[key]) + ("" if ci is None else f" +-{fmt.replace('{:+', '{:').format(ci)}")
 
 
 def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
     """`summary_rows` as aligned text (the table a run prints)."""
     heads, rows = summary_rows(metrics, names, batch_sizes)
     w = max([14] + [len(n) + 2 for n in names])  # the name column fits the longest strategy name
-    widths = [w] + [14] * (len(heads) - 2) + ([18] if heads[-1].startswith("GenEval") else [14])
-    widths = widths[: len(heads)]
+    widths = [w] + [18 if h.startswith("GenEval") else 14 for h in heads[1:]]
     fmt = lambda cells: f"{cells[0]:<{w}}" + "".join(f"{c:>{wd}}" for c, wd in zip(cells[1:], widths[1:]))  # noqa: E731
     return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
 
