@@ -130,10 +130,20 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
-    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_exact", "cspd_lossless", "cspd_tail"}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_t42", "cspd_t42_noalign"}
     assert set(drafts.values()) == {draft}
-    lossless = cfg["strategies"]["cspd_lossless"]["fn"]
+    steps = {name: s["fn"]["num_iter"] for name, s in cfg["strategies"].items()}
+    assert steps == {**{name: 64 for name in drafts}, "target": 64, "target16": 16}  # one token per step, and MAR's 16
+    temps = {name: cfg["strategies"][name]["fn"]["inner_temperature"] for name in drafts}
+    assert temps == {"cspd": 5.0, "cspd_noalign": 5.0, "cspd_t10": 10.0, "cspd_t10_noalign": 10.0, "cspd_t42": 42.0,
+                     "cspd_t42_noalign": 42.0}
+    assert [cfg["strategies"][n]["fn"]["align"] for n in ("cspd", "cspd_noalign", "cspd_t42_noalign")] == [True, False, False]
+    exact = OmegaConf.to_container(compose_cfg("eval", ["experiment=cspd_tail_sweep", f"mar_pair={pair}"], tmp_path),
+                                   resolve=True)["strategies"]
+    lossless = exact["cspd_lossless"]["fn"]
     assert (lossless["ratio"], lossless["acceptance"], lossless["verify"]) == ("exact", "prefix", "stepwise")
+    assert {s["fn"]["num_iter"] for s in exact.values()} == {16}  # where the exact ratio's tables were measured
+    assert Path(lossless["draft"]["dirpath"]).name == draft
 
 
 def test_default_mar_pair_is_the_cpu_sized_one(tmp_path):
