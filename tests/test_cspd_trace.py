@@ -33,8 +33,10 @@ def test_trace_splits_the_log_ratios_by_step():
 def test_trace_takes_every_path_and_writes_its_files(tmp_path, tiny_exports):
     out = tmp_path / "trace"
     res = cspd_trace.main(["--backbone", str(tiny_exports / "mar_p2"), "--draft", str(tiny_exports / "mar_p2"),
-                           "--out", str(out), "--prompts", "2", "--inner-temperatures", "42"])
+                           "--out", str(out), "--prompts", "2", "--inner-temperatures", "42",
+                           "--num-iter", "4"])
     saved = json.loads((out / "trace.json").read_text())
+    assert saved["num_iter"] == 4
     assert saved["summary"] == pytest.approx(res["summary"]) and saved["summary"]["paper/T42/accept"] > 0.999
     assert (out / "trace.txt").read_text().startswith("      steps")
     with pytest.raises(SystemExit):

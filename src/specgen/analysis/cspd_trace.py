@@ -173,6 +173,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cfg-scale", type=float, default=3.0)
     ap.add_argument("--prefill-ratio", type=float, default=0.05)
     ap.add_argument("--gamma", type=int, default=4, help="drafted steps per round (for the cost floors)")
+    ap.add_argument("--num-iter", type=int, default=16,
+                    help="MAR steps (16: the tables measured so far; 64: one token per step, the decoders' default)")
     ap.add_argument("--inner-temperatures", type=float, nargs="+", default=[5.0, 42.0])
     ap.add_argument("--costs", type=int, nargs="*", default=[], metavar="B",
                     help="also time the pieces of a generation at these batch sizes")
@@ -180,15 +182,17 @@ def main(argv=None) -> dict:
     target, draft = load_exported(a.backbone).eval(), load_exported(a.draft).eval()
     pool = [task_prompts(t, "test") for t in TAGS]
     texts = [pool[i % len(pool)][i // len(pool) % len(pool[i % len(pool)])]["prompt"] for i in range(a.prompts)]
-    res = trace(target, draft, texts, list(range(a.prompts)), cfg_scale=a.cfg_scale, prefill_ratio=a.prefill_ratio)
+    res = trace(target, draft, texts, list(range(a.prompts)), num_iter=a.num_iter, cfg_scale=a.cfg_scale,
+                prefill_ratio=a.prefill_ratio)
     rows, summ = bands(res), summary(res, a.inner_temperatures)
-    cost_rows = {b: costs(target, draft, b, cfg_scale=a.cfg_scale, gamma=a.gamma, prefill_ratio=a.prefill_ratio)
-                 for b in a.costs}
+    cost_rows = {b: costs(target, draft, b, num_iter=a.num_iter, cfg_scale=a.cfg_scale, gamma=a.gamma,
+                          prefill_ratio=a.prefill_ratio) for b in a.costs}
     lines = _lines(rows, summ, cost_rows)
     print("\n".join(lines))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "trace.json", json.dumps({"summary": summ, "bands": rows, "costs": cost_rows}, indent=1))
+    atomic_write_text(out / "trace.json", json.dumps({"num_iter": a.num_iter, "summary": summ, "bands": rows,
+                                                          "costs": cost_rows}, indent=1))
     atomic_write_text(out / "trace.txt", "\n".join(lines) + "\n")
     return {"summary": summ, "bands": rows, "costs": cost_rows}
 
