@@ -279,14 +279,15 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_t42", "cspd_t42_noalign")
+    cspds = ("cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_t42", "cspd_t42_noalign", "cspd_g2",
+             "cspd_g2_noalign")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=null",
                                "benchmark.fidelity.num_prompts=4",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
                                "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
-                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target16", *cspds)],
+                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target32", "target16", *cspds)],
                                *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
