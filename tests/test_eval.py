@@ -238,10 +238,11 @@ def test_speed_comparison_reports_ratios_against_the_first_strategy():
 def test_summary_table_keeps_its_columns_for_long_strategy_names():
     from specgen.evaluation.runner import summary_table
 
-    m = {f"{n}/speed/{k}": 1.0 for n in ("ar", "cspd_t10_noalign_long") for k in ("nfe", "nfe_ratio", "wall_ratio_bs1")}
-    lines = summary_table(m, ["ar", "cspd_t10_noalign_long"], [1]).splitlines()
+    m = {f"{n}/speed/{k}": 1.0 for n in ("cspd_t10_noalign_long", "ar") for k in ("nfe", "nfe_ratio", "wall_ratio_bs1")}
+    m.update({"ar/geneval/overall_diff": 0.01, "ar/geneval/overall_diff_ci95": 0.02})
+    lines = summary_table(m, ["cspd_t10_noalign_long", "ar"], [1]).splitlines()
     assert len({len(line) for line in lines}) == 1  # every row as wide as the header
-    assert lines[2].startswith("cspd_t10_noalign_long ")
+    assert lines[2].startswith("ar ") and "  GenEval - cspd_t10_noalign_long" in lines[0]  # headings keep a gap
 
 
 def test_summary_table_prints_dpg_with_its_interval():

@@ -271,7 +271,7 @@ def summary_table(metrics: dict[str, float], names: list[str], batch_sizes: list
     """`summary_rows` as aligned text (the table a run prints)."""
     heads, rows = summary_rows(metrics, names, batch_sizes)
     w = max([14] + [len(n) + 2 for n in names])  # the name column fits the longest strategy name
-    widths = [w] + [18 if h.startswith("GenEval") else 14 for h in heads[1:]]
+    widths = [w] + [max(18 if h.startswith("GenEval") else 14, len(h) + 2) for h in heads[1:]]
     fmt = lambda cells: f"{cells[0]:<{w}}" + "".join(f"{c:>{wd}}" for c, wd in zip(cells[1:], widths[1:]))  # noqa: E731
     return "\n".join([fmt(heads)] + [fmt(r) for r in rows])
 
