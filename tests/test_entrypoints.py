@@ -130,21 +130,24 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
-    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_t42", "cspd_t42_noalign",
-                           "cspd_g2", "cspd_g2_noalign"}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_g4", "cspd_g4_noalign", "cspd_g4_t10", "cspd_g4_t10_noalign",
+                           "cspd_g4_t42", "cspd_g4_t42_noalign"}
     assert set(drafts.values()) == {draft}
     steps = {name: s["fn"]["num_iter"] for name, s in cfg["strategies"].items()}
     assert steps == {**{name: 64 for name in drafts}, "target": 64, "target32": 32, "target16": 16}  # one token a step
     temps = {name: cfg["strategies"][name]["fn"]["inner_temperature"] for name in drafts}
-    assert temps == {"cspd": 5.0, "cspd_noalign": 5.0, "cspd_t10": 10.0, "cspd_t10_noalign": 10.0, "cspd_t42": 42.0,
-                     "cspd_t42_noalign": 42.0, "cspd_g2": 5.0, "cspd_g2_noalign": 5.0}
-    assert [cfg["strategies"][n]["fn"]["gamma"] for n in ("cspd", "cspd_g2", "cspd_g2_noalign")] == [4, 2, 2]
-    assert [cfg["strategies"][n]["fn"]["align"] for n in ("cspd", "cspd_noalign", "cspd_t42_noalign")] == [True, False, False]
+    assert temps == {"cspd": 5.0, "cspd_noalign": 5.0, "cspd_g4": 5.0, "cspd_g4_noalign": 5.0, "cspd_g4_t10": 10.0,
+                     "cspd_g4_t10_noalign": 10.0, "cspd_g4_t42": 42.0, "cspd_g4_t42_noalign": 42.0}
+    assert {n: cfg["strategies"][n]["fn"]["gamma"] for n in drafts} == {n: 2 if n in ("cspd", "cspd_noalign") else 4
+                                                                        for n in drafts}
+    assert [cfg["strategies"][n]["fn"]["align"] for n in ("cspd", "cspd_noalign", "cspd_g4_t42_noalign")] == [True, False,
+                                                                                                            False]
     exact = OmegaConf.to_container(compose_cfg("eval", ["experiment=cspd_tail_sweep", f"mar_pair={pair}"], tmp_path),
                                    resolve=True)["strategies"]
     lossless = exact["cspd_lossless"]["fn"]
     assert (lossless["ratio"], lossless["acceptance"], lossless["verify"]) == ("exact", "prefix", "stepwise")
     assert {s["fn"]["num_iter"] for s in exact.values()} == {16}  # where the exact ratio's tables were measured
+    assert {s["fn"]["gamma"] for s in exact.values() if "gamma" in s["fn"]} == {4}
     assert Path(lossless["draft"]["dirpath"]).name == draft
 
 

@@ -280,8 +280,8 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_t10", "cspd_t10_noalign", "cspd_t42", "cspd_t42_noalign", "cspd_g2",
-             "cspd_g2_noalign")
+    cspds = ("cspd", "cspd_noalign", "cspd_g4", "cspd_g4_noalign", "cspd_g4_t10", "cspd_g4_t10_noalign", "cspd_g4_t42",
+             "cspd_g4_t42_noalign")
     cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=null",
@@ -292,11 +292,11 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                                *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
-    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_t42/accept_rate", "cspd/speed/wall_ratio",
+    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_g4_t42/accept_rate", "cspd/speed/wall_ratio",
                 "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
                 "cspd/geneval/overall_ci95", "cspd/geneval/overall_diff", "cspd/geneval/overall_diff_ci95",
-                "cspd_t42/fidelity/fid", "target/fidelity/fid", "target16/geneval/overall",
-                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_t10_noalign/accept_rate"):
+                "cspd_g4_t42/fidelity/fid", "target/fidelity/fid", "target16/geneval/overall",
+                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_g4_t10_noalign/accept_rate"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
     assert "target/geneval/overall_diff" not in m  # the reference has no difference to itself
