@@ -288,7 +288,8 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                                "benchmark.fidelity.num_prompts=4",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
                                "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
-                               "logger=csv", *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target32", "target16", *cspds)],
+                               "logger=csv",
+                               *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target32", "target16", *cspds)],
                                *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
@@ -545,7 +546,8 @@ def test_paired_geneval_difference_against_a_hand_computation():
                            decoding=name) for i, c in enumerate(colors)]
 
     ref, new = rows("ar", [1, 1, 0, 1], [1, 0, 0]), rows("ssd", [1, 0, 0, 1], [1, 1, 0])
-    new.append(dict(benchmark="geneval", tag="colors", prompt="q", sample=9, seed=99, correct=1, decoding="ssd"))  # unpaired
+    new.append(dict(benchmark="geneval", tag="colors", prompt="q", sample=9, seed=99, correct=1,
+                    decoding="ssd"))  # no reference image: left out
     d = paired_difference(new, ref)
     # single_object: differences 0, -1, 0, 0 (mean -0.25, var 0.25); colors: 0, 1, 0 (mean 1/3, var 1/3)
     assert d["pairs"] == 7

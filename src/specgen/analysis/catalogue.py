@@ -143,8 +143,9 @@ ENTRIES = (
            f"{CK}/fphi_tokens_shapes", "--backbone", f"{CK}/ar_shapes", "--tokenizer", f"{CK}/vq_shapes",
            "--val-sequences", "512", "--out", "{out}/report.json"),
           ("--val-sequences", "32")),
-    Entry("cspd_main", "CSpD at one token per MAR step: FID / IS / GenEval per strategy and against the target, Table 3 "
-          "(alignment on / off at inner temperatures 5, 10, 42), alpha along the steps, work ratios", (*EVAL, "experiment=continuous_speed", "num_threads=1"),
+    Entry("cspd_main", "CSpD at one token per MAR step: FID / IS / GenEval per strategy and against the target, "
+          "Table 3 (alignment on / off at inner temperatures 5, 10, 42), alpha along the steps, work ratios",
+          (*EVAL, "experiment=continuous_speed", "num_threads=1"),
           CSPD_QUICK),
     Entry("cspd_table1", "CSpD Table 1: speed-up vs batch size for draft lengths 4, 8, 16, 32",
           (*EVAL, "-m", "experiment=cspd_ablation", "benchmark=geneval_fid_shapes",
@@ -156,8 +157,9 @@ ENTRIES = (
            "benchmark.geneval.prompts_per_task=12", "benchmark.fidelity.num_prompts=256",
            "ablation.prefill_ratio=0.0,0.05,0.15", "speed.batch_sizes=[1,16]", "speed.num_prompts=16", "num_threads=1"),
           CSPD_QUICK, sweep=True, pareto=("cspd/speed/target_work_ratio", "cspd/geneval/overall")),
-    Entry("cspd_tail_sweep", "CSpD's exact ratio at 16 MAR steps, lossless, and with a deterministic tail of m = 1, 3, "
-          "10 DDIM steps: alpha, quality and speed against the target with the same sampler", (*EVAL, "experiment=cspd_tail_sweep", "num_threads=1"),
+    Entry("cspd_tail_sweep", "CSpD's exact ratio at 16 MAR steps, lossless, and with a deterministic tail of m = 1, "
+          "3, 10 DDIM steps: alpha, quality and speed against the target with the same sampler",
+          (*EVAL, "experiment=cspd_tail_sweep", "num_threads=1"),
           CSPD_QUICK),
     Entry("cspd_trace", "CSpD Table 3 per step: the paper's ratio aligned vs independent at inner temperatures "
           "1-42, the exact ratio, cost split",
