@@ -301,6 +301,11 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
     assert "target/geneval/overall_diff" not in m  # the reference has no difference to itself
+    # every image paired: the paired difference is the difference of the two overall scores
+    assert m["cspd/geneval/overall_diff"] == pytest.approx(m["cspd/geneval/overall"] - m["target/geneval/overall"])
+    # the tiny draft is the target itself: on aligned chains the paper's ratio is 1, so nothing is rejected
+    assert m["cspd/accept_rate"] == 1.0 and m["cspd_g4_t42/accept_rate"] == 1.0
+    assert m["cspd_noalign/accept_rate"] < 1.0  # the target's chain with other noise ends elsewhere
 
 
 def test_cspd_ablation_shares_the_swept_setting(tmp_path):
@@ -550,7 +555,7 @@ def test_paired_geneval_difference_against_a_hand_computation():
                     decoding="ssd"))  # no reference image: left out
     d = paired_difference(new, ref)
     # single_object: differences 0, -1, 0, 0 (mean -0.25, var 0.25); colors: 0, 1, 0 (mean 1/3, var 1/3)
-    assert d["pairs"] == 7
+    assert d["diff_pairs"] == 7
     assert d["overall_diff"] == pytest.approx((-0.25 + 1 / 3) / 2)
     assert d["overall_diff_ci95"] == pytest.approx(1.96 * np.sqrt(0.25 / 4 + (1 / 3) / 3) / 2)
     assert paired_difference(new, []) == {}

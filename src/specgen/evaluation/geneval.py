@@ -120,8 +120,8 @@ def paired_difference(results: list[dict], reference: list[dict]) -> dict[str, f
     """GenEval overall of `results` minus that of `reference`, over the images both scored (the same task, prompt,
     sample and seed: a side-by-side run's), with the 95% interval of the paired difference: per task the mean of
     per-image differences (variance: their sample variance / n), overall the mean over tasks (tasks independent).
-    Pairing removes the prompts' own difficulty, so the interval is tighter than the two scores' intervals.
-    Returns {} when no image pairs up; `pairs` counts the pairs."""
+    Where the two strategies' outcomes on an image correlate (a prompt's own difficulty), the interval is tighter
+    than an unpaired difference's. Returns {} when no image pairs up; `diff_pairs` counts the pairs."""
     key = lambda r: (r["tag"], r["prompt"], int(r["sample"]), int(r["seed"]))  # noqa: E731
     ref = {key(r): float(r["correct"]) for r in reference if r["tag"] in TASKS}
     by_task: dict[str, list[float]] = defaultdict(list)
@@ -133,7 +133,7 @@ def paired_difference(results: list[dict], reference: list[dict]) -> dict[str, f
     diffs = [np.mean(d) for d in by_task.values()]
     var = sum(np.var(d, ddof=1) / len(d) for d in by_task.values() if len(d) > 1)
     return {"overall_diff": float(np.mean(diffs)), "overall_diff_ci95": float(1.96 * np.sqrt(var) / len(diffs)),
-            "pairs": float(sum(len(d) for d in by_task.values()))}
+            "diff_pairs": float(sum(len(d) for d in by_task.values()))}
 
 
 def read_metadata(path: str | Path) -> list[dict]:

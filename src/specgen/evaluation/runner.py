@@ -177,7 +177,7 @@ def geneval_differences(rows: list[dict], names: list[str]) -> dict[str, float]:
     out = {}
     for name in names[1:]:
         d = paired_difference(per.get(name, []), per[names[0]])
-        out.update({f"{name}/geneval/{'diff_pairs' if k == 'pairs' else k}": v for k, v in d.items()})
+        out.update({f"{name}/geneval/{k}": v for k, v in d.items()})
     return out
 
 
