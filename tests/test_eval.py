@@ -297,10 +297,14 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
                 "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
                 "cspd/geneval/overall_ci95", "cspd/geneval/overall_diff", "cspd/geneval/overall_diff_ci95",
                 "cspd_g4_t42/fidelity/fid", "target/fidelity/fid", "target16/geneval/overall",
-                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_g4_t10_noalign/accept_rate"):
+                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_g4_t10_noalign/accept_rate",
+                "target/fidelity/fid_ci95", "cspd/fidelity/fid_diff", "cspd/fidelity/fid_diff_ci95"):
         assert key in m, key
     assert m["target/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
-    assert "target/geneval/overall_diff" not in m  # the reference has no difference to itself
+    assert "target/geneval/overall_diff" not in m and "target/fidelity/fid_diff" not in m  # nothing to itself
+    for name in ("cspd", "target16"):  # the same features as torch-fidelity's FID
+        assert m[f"{name}/fidelity/fid_diff"] == pytest.approx(m[f"{name}/fidelity/fid"] - m["target/fidelity/fid"],
+                                                               rel=1e-3, abs=1e-3)
     # every image paired: the paired difference is the difference of the two overall scores
     assert m["cspd/geneval/overall_diff"] == pytest.approx(m["cspd/geneval/overall"] - m["target/geneval/overall"])
     # the tiny draft is the target itself: on aligned chains the paper's ratio is 1, so nothing is rejected
@@ -564,3 +568,87 @@ def test_paired_geneval_difference_against_a_hand_computation():
     heads, table = summary_rows({**m, "ar/geneval/overall": 0.7, "ssd/geneval/overall": 0.75}, ["ar", "ssd"], [1])
     col = heads.index("GenEval - ar")
     assert table[0][col] == "-" and table[1][col] == f"{d['overall_diff']:+.3f} +-{d['overall_diff_ci95']:.3f}"
+
+
+def _brute_frechet(a, b):
+    """FID by its definition, the matrix square roots taken by eigendecomposition of symmetric matrices:
+    |mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2)."""
+    def sqrt_psd(m):
+        w, v = np.linalg.eigh((m + m.T) / 2)
+        return (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+
+    sa, sb = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    ra = sqrt_psd(sa)
+    return float(np.sum((a.mean(0) - b.mean(0)) ** 2) + np.trace(sa + sb - 2 * sqrt_psd(ra @ sb @ ra)))
+
+
+def test_frechet_distance_against_its_definition():
+    from specgen.evaluation.fidelity import frechet_distance
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(300, 5)), rng.normal(size=(300, 5)) @ rng.normal(size=(5, 5)) + 0.5
+    assert frechet_distance(a, b) == pytest.approx(_brute_frechet(a, b), rel=1e-6)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_fid_interval_matches_the_spread_of_independent_draws():
+    """The bootstrap half-width over one draw of (generated, reference) features estimates 1.96 standard deviations
+    of FID over independent draws from the same two distributions, and shrinks as the sets grow."""
+    from specgen.evaluation.fidelity import fid_interval, frechet_distance
+
+    rng = np.random.default_rng(1)
+    mix = np.diag([1.0, 1.3, 0.8, 1.1])
+
+    def draw(n):
+        return rng.normal(size=(n, 4)) @ mix + 0.3, rng.normal(size=(n, 4))
+
+    draws = [draw(120) for _ in range(40)]
+    spread = 1.96 * np.std([frechet_distance(g, r) for g, r in draws], ddof=1)
+    halves = [fid_interval(g, r, resamples=100, seed=i) for i, (g, r) in enumerate(draws[:8])]
+    assert 0.6 * spread < np.mean(halves) < 1.6 * spread
+    assert fid_interval(*draw(480), resamples=100) < 0.75 * np.mean(halves)  # 4x the images: about half the width
+    with pytest.raises(ValueError, match="one reference image per generated image"):
+        fid_interval(np.zeros((5, 4)), np.zeros((4, 4)))
+    with pytest.raises(ValueError, match="at least 2 resamples"):
+        fid_interval(*draw(10), resamples=1)
+
+
+def test_paired_fid_difference():
+    """Identical strategies differ by exactly 0; a strategy whose images are another's plus a small shift differs
+    by the FIDs' difference, with a paired interval far tighter than the two single intervals combined."""
+    from specgen.evaluation.fidelity import fid_interval, fid_paired_difference, frechet_distance
+
+    rng = np.random.default_rng(2)
+    ref, a = rng.normal(size=(150, 4)), rng.normal(size=(150, 4)) + 0.2
+    assert fid_paired_difference(a, a, ref, resamples=20) == {"fid_diff": 0.0, "fid_diff_ci95": 0.0}
+    b = a + 0.15 + 0.05 * rng.normal(size=a.shape)
+    d = fid_paired_difference(b, a, ref, resamples=100)
+    assert d["fid_diff"] == pytest.approx(frechet_distance(b, ref) - frechet_distance(a, ref))
+    assert d["fid_diff"] - d["fid_diff_ci95"] > 0  # the shift away from the reference is resolved
+    unpaired = np.hypot(fid_interval(a, ref, resamples=100), fid_interval(b, ref, resamples=100))
+    assert d["fid_diff_ci95"] < 0.5 * unpaired
+    with pytest.raises(ValueError, match="same prompts"):
+        fid_paired_difference(a, a[:10], ref)
+
+
+def test_image_differences_and_the_fid_columns():
+    from specgen.evaluation.runner import image_differences, summary_rows
+
+    class Bench:  # a benchmark comparing two strategies' images: the difference of their means
+        name = "fidelity"
+
+        def paired_difference(self, images, other):
+            return {"fid_diff": float(np.mean(images) - np.mean(other)), "fid_diff_ci95": 0.5}
+
+    class Plain:
+        name = "geneval"
+
+    images = {"ar": {"fidelity": [np.zeros(2)]}, "ssd": {"fidelity": [np.full(2, 3.0)]}, "sjd": {}}
+    m = image_differences([Plain(), Bench()], images, ["ar", "ssd", "sjd"])
+    assert m == {"ssd/fidelity/fid_diff": 3.0, "ssd/fidelity/fid_diff_ci95": 0.5}
+    assert image_differences([Bench()], {"ssd": images["ssd"]}, ["ar", "ssd"]) == {}  # no reference images
+    m.update({"ar/fidelity/fid": 4.9, "ar/fidelity/fid_ci95": 0.4, "ssd/fidelity/fid": 7.9})
+    heads, rows = summary_rows(m, ["ar", "ssd", "sjd"], [1])
+    fid, diff = heads.index("FID"), heads.index("FID - ar")
+    assert [r[fid] for r in rows] == ["4.90 +-0.40", "7.90", "-"]
+    assert [r[diff] for r in rows] == ["-", "+3.00 +-0.50", "-"]

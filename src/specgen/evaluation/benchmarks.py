@@ -241,14 +241,16 @@ class CLIPScore:
 
 class Fidelity:
     """FID / IS / KID / precision-recall of generated images against renders of fresh scenes for the
-    same prompts. FID is biased upwards on small samples: the sample size is reported with it."""
+    same prompts. FID is biased upwards on small samples: the sample size is reported with it, and its 95% interval
+    and the paired difference between two strategies come from `resamples` bootstrap draws of the prompts."""
 
     name = "fidelity"
 
     def __init__(self, extractor_dir: str | None = None, inception_weights: str | None = None, split: str = "test",
-                 num_prompts: int = 256, cache_dir: str | None = None, seed: int = 2):
+                 num_prompts: int = 256, cache_dir: str | None = None, seed: int = 2, resamples: int = 200):
         self.extractor_dir, self.inception_weights, self.cache_dir = extractor_dir, inception_weights, cache_dir
         self.items = mixed_prompts(split, num_prompts, seed)
+        self.resamples, self._ref_pool = resamples, None
 
     def jobs(self, seed: int) -> list[Job]:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
@@ -258,10 +260,31 @@ class Fidelity:
         return [render(scene_for(m, rng)) for m in self.items]
 
     def score(self, jobs: list[Job], images) -> tuple[dict[str, float], list[dict]]:
-        from specgen.evaluation.fidelity import fidelity  # deferred: torch-fidelity takes seconds to import
+        """FID, IS, KID, precision/recall, and the half-width of FID's 95% interval (`fid_ci95`, a bootstrap over the
+        prompts: `fidelity.fid_interval`)."""
+        from specgen.evaluation.fidelity import fid_interval, fidelity  # deferred: torch-fidelity takes seconds
 
-        out = fidelity(list(images), self.reference(), self.extractor_dir, self.inception_weights, self.cache_dir)
+        reference = self.reference()
+        out = fidelity(list(images), reference, self.extractor_dir, self.inception_weights, self.cache_dir)
+        out["fid_ci95"] = fid_interval(self._pool(images), self._reference_pool(reference), self.resamples)
         return out, []
+
+    def paired_difference(self, images, other) -> dict[str, float]:
+        """FID of `images` minus FID of `other` (two strategies' images for this benchmark's jobs, in job order) with
+        a paired bootstrap 95% interval: `fid_diff`, `fid_diff_ci95`."""
+        from specgen.evaluation.fidelity import fid_paired_difference
+
+        return fid_paired_difference(self._pool(images), self._pool(other), self._reference_pool(), self.resamples)
+
+    def _pool(self, images) -> np.ndarray:
+        from specgen.evaluation.fidelity import features
+
+        return features(list(images), self.extractor_dir, self.inception_weights)["pool"].double().numpy()
+
+    def _reference_pool(self, reference: list | None = None) -> np.ndarray:
+        if self._ref_pool is None:  # the same renders for every strategy: their features once
+            self._ref_pool = self._pool(self.reference() if reference is None else reference)
+        return self._ref_pool
 
 
 class ClassFidelity:

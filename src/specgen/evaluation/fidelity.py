@@ -68,7 +68,7 @@ class Images(Dataset):
         return len(self.images)
 
     def __getitem__(self, i):
-        return torch.from_numpy(np.ascontiguousarray(self.images[i])).permute(2, 0, 1).contiguous()
+        return torch.from_numpy(np.array(self.images[i], dtype=np.uint8)).permute(2, 0, 1).contiguous()  # writable copy
 
 
 def content_hash(images: list[np.ndarray]) -> str:
@@ -164,3 +164,49 @@ def fidelity_to_statistics(images: list[np.ndarray], reference_stats: str | Path
     return {"fid": float(fid_statistics_to_metric(mine, theirs, False)["frechet_inception_distance"]),
             "is_mean": isc["inception_score_mean"], "is_std": isc["inception_score_std"],
             "num_images": float(len(images))}
+
+
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """FID between two sets of pool features (rows are images): the Frechet distance of Gaussians with their means
+    and covariances, torch-fidelity's formula."""
+    from torch_fidelity.metric_fid import fid_statistics_to_metric
+
+    stats = [{"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)} for f in (np.asarray(a, np.float64),
+                                                                          np.asarray(b, np.float64))]
+    return float(fid_statistics_to_metric(stats[0], stats[1], False)["frechet_inception_distance"])
+
+
+def _resamples(n: int, resamples: int, seed: int) -> np.ndarray:
+    if resamples < 2:
+        raise ValueError(f"a bootstrap needs at least 2 resamples, got {resamples}")
+    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+
+
+def fid_interval(images: np.ndarray, reference: np.ndarray, resamples: int = 200, seed: int = 0) -> float:
+    """Half-width of a 95% interval of FID (1.96 bootstrap standard deviations) from pool features of generated
+    `images` and of `reference` images for the same prompts: row i of both belongs to prompt i, and a resample draws
+    prompts with replacement, so the interval holds the noise of both finite sets. A resample's duplicates bias its
+    FID upwards; the standard deviation is taken around the resamples' own mean, so the interval is centred on the
+    full sets' FID."""
+    images, reference = np.asarray(images, np.float64), np.asarray(reference, np.float64)
+    if len(images) != len(reference):
+        raise ValueError(f"paired FID resampling needs one reference image per generated image, got {len(images)} "
+                         f"and {len(reference)}")
+    fids = [frechet_distance(images[i], reference[i]) for i in _resamples(len(images), resamples, seed)]
+    return float(1.96 * np.std(fids, ddof=1))
+
+
+def fid_paired_difference(images: np.ndarray, other: np.ndarray, reference: np.ndarray, resamples: int = 200,
+                          seed: int = 0) -> dict[str, float]:
+    """FID of `images` minus FID of `other` (another strategy's images for the same prompts and seeds, row i of all
+    three sets belonging to prompt i), with a 95% interval from a paired bootstrap: each resample draws the same
+    prompts for both strategies and the reference, so what the two share (the prompts, the reference draw) cancels
+    in the difference."""
+    images, other, reference = (np.asarray(x, np.float64) for x in (images, other, reference))
+    if not len(images) == len(other) == len(reference):
+        raise ValueError(f"a paired FID difference needs the same prompts for both strategies and the reference, got "
+                         f"{len(images)}, {len(other)} and {len(reference)} images")
+    diffs = [frechet_distance(images[i], reference[i]) - frechet_distance(other[i], reference[i])
+             for i in _resamples(len(images), resamples, seed)]
+    return {"fid_diff": frechet_distance(images, reference) - frechet_distance(other, reference),
+            "fid_diff_ci95": float(1.96 * np.std(diffs, ddof=1))}

@@ -56,7 +56,8 @@ def format_table(metrics: dict[str, float]) -> str:
 
 def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, out_dir: Path):
     """Generate (cached) and score the benchmarks' images for one strategy: (metrics, rows, grid, figures), where
-    figures holds `samples` (a captioned sample grid) and, for speculative strategies, `accept_map` (H, W)."""
+    figures holds `samples` (a captioned sample grid), for speculative strategies `accept_map` (H, W), and `images`:
+    the images of each benchmark that compares two strategies' images (`paired_difference`, e.g. FID), in job order."""
     name, decode_fn = decoding.name, instantiate(decoding.fn)
     out_dir.mkdir(parents=True, exist_ok=True)
     jobs_per_bench = [b.jobs(cfg.seed) for b in benchmarks]
@@ -73,7 +74,8 @@ def quality(cfg: DictConfig, backbone, decoding: DictConfig, benchmarks: list, o
         rows += [dict(r, decoding=name) for r in bench_rows]
     metrics.update({f"{name}/speed/{k}": v for k, v in speed_metrics(stats).items()})
     metrics[f"{name}/num_images"] = float(len(unique))
-    figures = {}
+    figures = {"images": {b.name: [by_key[j.key][0] for j in jobs] for b, jobs in zip(benchmarks, jobs_per_bench)
+                          if hasattr(b, "paired_difference")}}
     maps = [np.asarray(st["accept_map"], dtype=float) for st in stats if "accept_map" in st]
     if maps:
         figures["accept_map"] = np.mean(maps, 0)
@@ -121,10 +123,11 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     backbone = instantiate(cfg.generator) if backbone is None else backbone
     benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
-    metrics, rows, maps = {}, [], {}
+    metrics, rows, maps, images = {}, [], {}, {}
     for dec in cfg.strategies.values():
         if benchmarks:
             m, r, grid, figs = quality(cfg, backbone, dec, benchmarks, out_dir)
+            images[dec.name] = figs["images"]
             Image.fromarray(grid).save(out_dir / f"grid_{dec.name}.png")
             Image.fromarray(figs["samples"]).save(out_dir / f"samples_{dec.name}.png")
             if "accept_map" in figs:
@@ -132,6 +135,7 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
             metrics.update({k: v for k, v in m.items() if "/speed/" not in k})
             rows += r
     metrics.update(geneval_differences(rows, [s.name for s in cfg.strategies.values()]))
+    metrics.update(image_differences(benchmarks, images, [s.name for s in cfg.strategies.values()]))
     strategies = {s.name: instantiate(s.fn) for s in cfg.strategies.values()}
     batch_sizes, min_batches = list(cfg.speed.batch_sizes), int(cfg.speed.get("min_batches") or 1)
     prompts = speed_prompts(cfg, benchmarks, prompts_needed(cfg.speed.num_prompts, batch_sizes, min_batches))
@@ -178,6 +182,20 @@ def geneval_differences(rows: list[dict], names: list[str]) -> dict[str, float]:
     for name in names[1:]:
         d = paired_difference(per.get(name, []), per[names[0]])
         out.update({f"{name}/geneval/{k}": v for k, v in d.items()})
+    return out
+
+
+def image_differences(benchmarks: list, images: dict[str, dict[str, list]], names: list[str]) -> dict[str, float]:
+    """Each strategy's score minus the first strategy's on the benchmarks that compare two strategies' images
+    (`paired_difference`: FID), from `images[strategy][benchmark]` in job order: `<name>/fidelity/fid_diff` and
+    `_ci95`."""
+    out = {}
+    for bench in [b for b in benchmarks if hasattr(b, "paired_difference")]:
+        if not names or bench.name not in images.get(names[0], {}):
+            continue
+        for name in [n for n in names[1:] if bench.name in images.get(n, {})]:
+            d = bench.paired_difference(images[name][bench.name], images[names[0]][bench.name])
+            out.update({f"{name}/{bench.name}/{k}": v for k, v in d.items()})
     return out
 
 
@@ -240,8 +258,8 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
     size, see `speed.measure`), wall-clock ratios, image positions fed to the target per image at the smallest batch
     size (a pass's compute follows them), tokens per pass,
     and every quality benchmark that ran (GenEval and DPG with their 95% intervals, CLIPScore, FID with its sample
-    size, and GenEval minus the first strategy's on the same images with its paired interval); '-' where a strategy
-    has no value."""
+    size and its bootstrap interval, FID and GenEval minus the first strategy's on the same prompts with their paired
+    intervals); '-' where a strategy has no value."""
     ratios = [("speed/nfe_ratio", "nfe ratio", "{:.2f}")] if len(batch_sizes) < 2 else \
         [(f"speed/nfe_ratio_bs{b}", f"nfe x bs{b}", "{:.2f}") for b in batch_sizes]
     cols = [("speed/nfe", "nfe", "{:.1f}")] + ratios \
@@ -249,7 +267,8 @@ def summary_rows(metrics: dict[str, float], names: list[str], batch_sizes: list[
         + [(f"speed/tokens_fed_bs{min(batch_sizes)}", f"fed bs{min(batch_sizes)}", "{:.0f}")] \
         + [("speed/accept_len", "tok/pass", "{:.2f}"), ("accept_rate", "accept", "{:.2f}"),
            ("dpg/overall", "DPG", "{:.1f}", True), ("clipscore/clipscore_100cos", "CLIP 100cos", "{:.1f}"),
-           ("fidelity/fid", "FID", "{:.2f}"), ("geneval/overall_diff", f"GenEval - {names[0]}", "{:+.3f}", True),
+           ("fidelity/fid", "FID", "{:.2f}", True), ("fidelity/fid_diff", f"FID - {names[0]}", "{:+.2f}", True),
+           ("geneval/overall_diff", f"GenEval - {names[0]}", "{:+.3f}", True),
            ("geneval/overall", "GenEval (95%)", "{:.3f}", True)]
     cols = [c for c in cols if any(f"{n}/{c[0]}" in metrics for n in names)]
     fid_n = next((metrics[f"{n}/fidelity/num_images"] for n in names if f"{n}/fidelity/num_images" in metrics), None)
