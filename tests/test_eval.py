@@ -652,3 +652,19 @@ def test_image_differences_and_the_fid_columns():
     fid, diff = heads.index("FID"), heads.index("FID - ar")
     assert [r[fid] for r in rows] == ["4.90 +-0.40", "7.90", "-"]
     assert [r[diff] for r in rows] == ["-", "+3.00 +-0.50", "-"]
+
+
+def test_fidelity_extracts_each_image_set_once(monkeypatch):
+    """The paired differences meet the reference and every strategy's images again: features are taken once per set."""
+    import specgen.evaluation.fidelity as fid
+    from specgen.evaluation.benchmarks import Fidelity
+
+    calls, real = [], fid.features
+    monkeypatch.setattr(fid, "features", lambda images, *a, **k: calls.append(len(images)) or real(images, *a, **k))
+    bench = Fidelity(extractor_dir=str(Path(__file__).resolve().parents[1] / "checkpoints" / "featnet_shapes"),
+                     num_prompts=6, resamples=10)
+    a, b = bench.reference()[::-1], [np.zeros_like(im) for im in bench.reference()]
+    first = bench.paired_difference(b, a)
+    assert bench.paired_difference(b, a) == first and len(calls) == 3  # b, a, the reference: once each
+    assert bench.paired_difference(a, a) == {"fid_diff": 0.0, "fid_diff_ci95": 0.0} and len(calls) == 3
+    assert first["fid_diff"] > 0  # blank images are further from the renders than the renders reversed

@@ -250,7 +250,7 @@ class Fidelity:
                  num_prompts: int = 256, cache_dir: str | None = None, seed: int = 2, resamples: int = 200):
         self.extractor_dir, self.inception_weights, self.cache_dir = extractor_dir, inception_weights, cache_dir
         self.items = mixed_prompts(split, num_prompts, seed)
-        self.resamples, self._ref_pool = resamples, None
+        self.resamples, self._pools = resamples, {}  # pool features by the images' content hash
 
     def jobs(self, seed: int) -> list[Job]:
         return [Job(m["prompt"], job_seed(seed, m["prompt"], 0), m) for m in self.items]
@@ -277,14 +277,18 @@ class Fidelity:
         return fid_paired_difference(self._pool(images), self._pool(other), self._reference_pool(), self.resamples)
 
     def _pool(self, images) -> np.ndarray:
-        from specgen.evaluation.fidelity import features
+        """Pool features of `images`, extracted once per image set (the reference, and each strategy's images, are
+        met again by the paired differences)."""
+        from specgen.evaluation.fidelity import content_hash, features
 
-        return features(list(images), self.extractor_dir, self.inception_weights)["pool"].double().numpy()
+        key = content_hash(list(images))
+        if key not in self._pools:
+            pool = features(list(images), self.extractor_dir, self.inception_weights)["pool"]
+            self._pools[key] = pool.double().numpy()
+        return self._pools[key]
 
     def _reference_pool(self, reference: list | None = None) -> np.ndarray:
-        if self._ref_pool is None:  # the same renders for every strategy: their features once
-            self._ref_pool = self._pool(self.reference() if reference is None else reference)
-        return self._ref_pool
+        return self._pool(self.reference() if reference is None else reference)
 
 
 class ClassFidelity:

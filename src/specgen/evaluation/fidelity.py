@@ -135,7 +135,7 @@ def reference_statistics(images: list[np.ndarray], path: str | Path, **extractor
     from specgen.utils.checkpoints import atomic_savez
 
     f = features(images, **extractor)["pool"].double().numpy()
-    atomic_savez(path, mu=f.mean(0), sigma=np.cov(f, rowvar=False))
+    atomic_savez(path, **gaussian_stats(f))
 
 
 def fidelity_to_statistics(images: list[np.ndarray], reference_stats: str | Path, extractor_dir: str | None = None,
@@ -155,7 +155,7 @@ def fidelity_to_statistics(images: list[np.ndarray], reference_stats: str | Path
         raise ValueError(f"{reference_stats}: expected arrays 'mu' and 'sigma', found {sorted(ref.files)}")
     f = features(images, extractor_dir, inception_weights)
     pool = f["pool"].double().numpy()
-    mine = {"mu": pool.mean(0), "sigma": np.cov(pool, rowvar=False)}
+    mine = gaussian_stats(pool)
     theirs = {"mu": ref["mu"].astype(np.float64), "sigma": ref["sigma"].astype(np.float64)}
     if theirs["mu"].shape != mine["mu"].shape:
         raise ValueError(f"{reference_stats}: statistics of {theirs['mu'].shape[0]} features, the extractor gives "
@@ -171,9 +171,13 @@ def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     and covariances, torch-fidelity's formula."""
     from torch_fidelity.metric_fid import fid_statistics_to_metric
 
-    stats = [{"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)} for f in (np.asarray(a, np.float64),
-                                                                          np.asarray(b, np.float64))]
-    return float(fid_statistics_to_metric(stats[0], stats[1], False)["frechet_inception_distance"])
+    return float(fid_statistics_to_metric(gaussian_stats(a), gaussian_stats(b), False)["frechet_inception_distance"])
+
+
+def gaussian_stats(features: np.ndarray) -> dict[str, np.ndarray]:
+    """Mean and covariance (float64) of pool features, rows being images: the statistics FID compares."""
+    f = np.asarray(features, np.float64)
+    return {"mu": f.mean(0), "sigma": np.cov(f, rowvar=False)}
 
 
 def _resamples(n: int, resamples: int, seed: int) -> np.ndarray:
