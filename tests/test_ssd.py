@@ -32,7 +32,9 @@ def noisy_drafter(m: ShapesLlama) -> FPhi:
 @pytest.mark.parametrize("eol", [True, False])
 @pytest.mark.parametrize("kw", [dict(rounds=5), dict(exact=True), dict(rounds=5, vertical=False),
                                 dict(exact=True, vertical=False), dict(rounds=0, carry=True),
-                                dict(rounds=1, carry=True, vertical=False)])
+                                dict(rounds=1, carry=True, vertical=False), dict(rounds=0, carry=True,
+                                                                                  acceptance="typical"),
+                                dict(rounds=0, carry=True, acceptance="typical_carried", redraft=2)])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
     p = m.prompts(PROMPTS)
@@ -343,7 +345,7 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
         init(self, st, rule, drafter)
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
-                  max_row_passes=4, second_row_wait=1)
+                  max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5)
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
@@ -719,3 +721,59 @@ def test_second_row_wait_drafts_row_one_only_once_row_zero_has_settled(monkeypat
         ssd.generate(m, p, noisy_drafter(m), carry=False, second_row_wait=2)
     with pytest.raises(ValueError, match="second_row_wait"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, second_row_wait=-1)
+
+
+
+def test_typical_acceptance_against_a_hand_computation():
+    """typical_accept keeps t when p(t) > min(epsilon, delta * exp(-H(p))) and redraws a refused token from p."""
+    from specgen.decoding.sampling import typical_accept
+
+    p = torch.tensor([[0.90, 0.08, 0.02],   # H = 0.375, delta e^-H = 0.206: threshold epsilon = 0.09
+                      [0.40, 0.35, 0.25],   # H = 1.081, delta e^-H = 0.102: threshold 0.09
+                      [0.34, 0.33, 0.33]])  # H = 1.099, delta e^-H = 0.100 -> with delta 0.3, eps 0.2: 0.100
+    tokens = torch.tensor([[1, 2, 2], [0, 2, 1]])  # rows: (token, p(token)) pairs judged below
+    pp = p[None].expand(2, 3, 3)
+    out, ok = typical_accept(tokens, pp, epsilon=0.09, delta=0.3)
+    # p(t): [0.08, 0.25, 0.33] and [0.90, 0.25, 0.33] against thresholds [0.09, 0.09, 0.09]
+    assert ok.tolist() == [[False, True, True], [True, True, True]]
+    out, ok = typical_accept(tokens, pp, epsilon=0.5, delta=0.3)  # thresholds [0.206, 0.102, 0.100]
+    assert ok.tolist() == [[False, True, True], [True, True, True]]
+    out, ok = typical_accept(tokens, pp, epsilon=0.5, delta=0.9)  # thresholds [0.5, 0.305, 0.300]
+    assert ok.tolist() == [[False, False, True], [True, False, True]]
+    # a refused token is redrawn from p (itself included): frequencies of 20,000 redraws
+    n = 20000
+    t = torch.ones(1, n, dtype=torch.long)
+    out, ok = typical_accept(t, p[0].expand(1, n, 3), epsilon=0.09, delta=0.3, rngs=make_rngs([5]))
+    assert not ok.any()
+    freq = torch.bincount(out[0], minlength=3).float() / n
+    assert torch.allclose(freq, p[0], atol=0.01), freq
+    # greedy (p one-hot): only the argmax is kept
+    onehot = torch.nn.functional.one_hot(torch.tensor([[0, 2]]), 3).float()
+    out, ok = typical_accept(torch.tensor([[0, 1]]), onehot, epsilon=0.09, delta=0.3)
+    assert ok.tolist() == [[True, False]] and out.tolist() == [[0, 2]]
+
+
+def test_typical_acceptance_in_the_carry_window():
+    """acceptance='typical' with a zero threshold keeps every draft: each row costs exactly one pass (prefill + H);
+    the exact rule with the same noisy drafter spends more; images stay batch-invariant; bad settings are named."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2)
+    out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="typical",
+                           typical_epsilon=0.0, typical_delta=0.0, **kw)
+    assert st["image_passes"].tolist() == [1.0 + m.grid.height] * 4
+    assert float(st["carried_change_rate"].max()) == 0.0 and float(st["fresh_change_rate"].max()) == 0.0
+    _, exact = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **kw)
+    _, typ = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="typical", **kw)
+    assert float(exact["image_passes"].mean()) > float(typ["image_passes"].mean()) >= 1 + m.grid.height
+    out, st = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="typical_carried", **kw)
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), acceptance="typical_carried",
+                                **kw)
+        assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="acceptance='typical' .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, acceptance="typical")
+    with pytest.raises(ValueError, match="acceptance='medusa' is not a verification rule"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, acceptance="medusa")
+    with pytest.raises(ValueError, match="typical_epsilon"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, acceptance="typical", typical_epsilon=-0.1)

@@ -72,3 +72,15 @@ def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)  # p == q: rejection had prob 0
     return torch.where(accepted, tokens, sample_probs(resid, rngs)), accepted
+
+
+def typical_accept(tokens: torch.Tensor, p: torch.Tensor, epsilon: float, delta: float,
+                   rngs: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typical acceptance (Medusa, Cai et al. 2024) at every position: keep token t when the target finds it
+    plausible, p(t) > min(epsilon, delta * exp(-H(p))), else redraw from p. Not lossless: every plausible token is
+    kept whatever distribution proposed it (under greedy decoding, p one-hot, it keeps exactly the argmax).
+    tokens (B, N), p (B, N, V) -> (tokens, accepted)."""
+    pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(p * p.clamp_min(1e-12).log()).sum(-1)
+    accepted = pt > torch.clamp(delta * torch.exp(-entropy), max=epsilon)
+    return torch.where(accepted, tokens, sample_probs(p, rngs)), accepted

@@ -129,6 +129,15 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         raise ValueError(f"redraft={rule.redraft} chains f_phi.right from a target state and needs a hidden-state "
                          f"drafter; this one predicts token ids: set redraft=0")
     expect_float("temperature", temperature, 0.0)
+    rules = ("speculative", "typical", "typical_carried")
+    if rule.acceptance not in rules:
+        raise ValueError(f"acceptance={rule.acceptance!r} is not a verification rule; use one of {', '.join(rules)}")
+    if rule.acceptance != "speculative":
+        if not carry:
+            raise ValueError(f"acceptance={rule.acceptance!r} judges the carry window's tokens and needs carry=true; "
+                             f"set carry=true or acceptance=speculative")
+        expect_float("typical_epsilon", rule.typical_epsilon, 0.0)
+        expect_float("typical_delta", rule.typical_delta, 0.0)
     if rule.draft_temperature is not None:
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
 
@@ -139,7 +148,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              exact: bool = False, vertical: bool = True, carry: bool = False,
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
-             max_row_passes: int | None = None, second_row_wait: int | None = None):
+             max_row_passes: int | None = None, second_row_wait: int | None = None,
+             acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -157,6 +167,10 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     only once at most this many of the first row's tokens are not final: after its first pass the horizontally
     drafted first row is still far from final, and down drafts from it are mostly rejected (null: no wait, the
     window bound alone decides);
+    `acceptance` (carry only for the other rules): "speculative", the paper's test (keep t ~ q with prob
+    min(1, p(t)/q(t)), else draw from the residual); beyond the paper, "typical" (Medusa's typical acceptance:
+    keep t when p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless) or
+    "typical_carried" (fresh drafts by the speculative test, carried tokens by the typical one);
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -165,7 +179,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     when each row was final."""
     rule = CarryRule(rounds=rounds, max_lead=max_lead, max_window_rows=max_window_rows,
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
-                     max_row_passes=max_row_passes, second_row_wait=second_row_wait)
+                     max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
+                     typical_epsilon=typical_epsilon, typical_delta=typical_delta)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)

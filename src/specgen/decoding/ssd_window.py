@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen.decoding.sampling import accept_or_resample, sample_probs
+from specgen.decoding.sampling import accept_or_resample, sample_probs, typical_accept
 from specgen.decoding.state import SpecState
 
 
@@ -22,7 +22,10 @@ class CarryRule:
     draft_temperature: warps the drafted distribution q (None: the sampling temperature);
     redraft / redraft_rows: tokens right of a pass's first change re-drafted by f_phi.right, in rows above this;
     max_row_passes: passes after which a carried frontier row is kept as it stands (None: no cap);
-    second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait)."""
+    second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait);
+    acceptance: how a window token is judged: "speculative" (min(1, p/q), else the residual), "typical" (kept when
+    p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else redrawn from p) or "typical_carried" (fresh drafts
+    speculative, carried tokens typical)."""
 
     rounds: int
     max_lead: int | None
@@ -32,6 +35,9 @@ class CarryRule:
     redraft_rows: int | None
     max_row_passes: int | None
     second_row_wait: int | None
+    acceptance: str = "speculative"
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
 
 
 class CarryWindow:
@@ -151,7 +157,7 @@ class CarryWindow:
         front = self.frontier_row()  # (B,) each image's row of its first non-final token, before this pass
         for b in act.tolist():  # per-image draws, over the image's own window only
             own = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
-            nb, acc = accept_or_resample(cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own], st.image_gens([b]))
+            nb, acc = self._accept(b, own, cur, p)
             new[b, own] = nb[0]
             changed = nb[0] != cur[b, own]
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
@@ -177,6 +183,19 @@ class CarryWindow:
         self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
+
+    def _accept(self, b: int, own: torch.Tensor, cur: torch.Tensor, p: torch.Tensor):
+        """Judge image b's window tokens (its slots `own`) against the pass's p: (1, n) tokens, (1, n) accepted."""
+        rule, gens = self.rule, self.st.image_gens([b])
+        tokens, pb = cur[b:b + 1, own], p[b:b + 1, own]
+        if rule.acceptance == "speculative":
+            return accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)
+        typical, ok = typical_accept(tokens, pb, rule.typical_epsilon, rule.typical_delta, gens)
+        if rule.acceptance == "typical":
+            return typical, ok
+        spec, spec_ok = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)  # "typical_carried"
+        fresh = self.fresh[b:b + 1, own]
+        return torch.where(fresh, spec, typical), torch.where(fresh, spec_ok, ok)
 
     def _cap_rows(self, b: int, own: torch.Tensor, front: int) -> int:
         """`max_row_passes`: count the pass for image b's frontier row (`front`: the row of its first token not final
