@@ -783,3 +783,40 @@ def test_typical_acceptance_in_the_carry_window():
         ssd.generate(m, p, noisy_drafter(m), carry=True, acceptance="medusa")
     with pytest.raises(ValueError, match="typical_epsilon"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, acceptance="typical", typical_epsilon=-0.1)
+
+
+@pytest.mark.slow
+def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
+    """The default's carry settings on a 3x3 grid of 2 codes (512 images, longer carry chains than 2x2): chi-square
+    of 20,000 samples against the exact joint; typical acceptance of carried tokens on the same draws is rejected."""
+    G, V, n = 3, 2, 20000
+    m = tiny(True, codes=V, grid=G, sharpen=3.0)
+    g = m.grid
+    ids = torch.cat([m.prompt_ids([PROMPTS[0]]), m.null_prompt_ids(1)])
+    cells = list(itertools.product(range(V), repeat=G * G))
+    seqs = torch.cat([g.grid_to_sequence(torch.tensor(img).view(1, G, G)) for img in cells])  # (512, L)
+    with torch.no_grad():
+        logits = torch.cat([m(torch.cat([ids[k:k + 1].expand(len(cells), -1), seqs], 1))[:, g.prefix_len - 1:]
+                            for k in range(2)])  # cond rows, then uncond rows
+    cond, uncond = logits.chunk(2)
+    cols = [g.position(r, c) - g.prefix_len for r, c in itertools.product(range(G), range(G))]
+    lv = uncond[:, cols, g.visual_start:g.visual_start + V] + 2.0 * (cond - uncond)[:, cols, g.visual_start:
+                                                                                  g.visual_start + V]
+    lp = torch.log_softmax(lv, -1).gather(-1, torch.tensor(cells)[..., None]).squeeze(-1).sum(1)
+    joint = torch.softmax(lp.double(), 0).numpy()
+    weights = torch.tensor([V ** (G * G - 1 - k) for k in range(G * G)])
+
+    def p_value(out):
+        obs = np.bincount((out.view(n, -1) * weights).sum(1).numpy(), minlength=len(cells))
+        exp = joint * n
+        keep = exp >= 5
+        return stats.chisquare(np.append(obs[keep], obs[~keep].sum()), np.append(exp[keep], exp[~keep].sum())).pvalue
+
+    kw = dict(rounds=0, carry=True, max_window_rows=2, draft_temperature=0.5, redraft=4, redraft_rows=1,
+              second_row_wait=2)
+    prompts = m.prompts([PROMPTS[0]] * n)
+    out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)), **kw)
+    assert p_value(out) > 1e-3
+    out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)),
+                          acceptance="typical_carried", **kw)
+    assert p_value(out) < 1e-6
