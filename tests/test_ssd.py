@@ -151,32 +151,29 @@ def test_carry_pass_statistics_account_for_every_token_once(rounds):
 
 
 def _exact_joint(m: ShapesLlama, prompt: str, cfg_scale: float) -> np.ndarray:
-    """Exact probability of every 2x2 image under the model (temperature 1), by enumeration."""
+    """Exact probability of every image of the model's (small) grid (temperature 1), by enumeration: (V ** (H W),)
+    in the order of `_cells`, one batched forward for the conditional and one for the unconditional prompt."""
     g = m.grid
-    V = g.num_visual
-    pid = m.prompt_ids([prompt])
-    ids = torch.cat([pid, m.null_prompt_ids(1)]) if cfg_scale != 1 else pid
-    joint = np.zeros((V,) * 4)
+    V, n = g.num_visual, g.height * g.width
+    cells = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V ** n, n)
+    seqs = g.grid_to_sequence(cells.view(-1, g.height, g.width))
+    prompts = [m.prompt_ids([prompt])] + ([m.null_prompt_ids(1)] if cfg_scale != 1 else [])
+    cols = [g.position(r, c) - 1 for r, c in itertools.product(range(g.height), range(g.width))]  # logits before
     with torch.no_grad():
-        for img in itertools.product(range(V), repeat=4):
-            seq = g.grid_to_sequence(torch.tensor(img).view(1, 2, 2)).repeat(ids.shape[0], 1)
-            logits = m(torch.cat([ids, seq], 1))[:, g.prefix_len - 1:]
-            lp = 0.0
-            for k, (r, c) in enumerate(itertools.product(range(2), range(2))):
-                pos = g.position(r, c) - g.prefix_len
-                lv = logits[:, pos, g.visual_start:g.visual_start + V]
-                if cfg_scale != 1:
-                    lv = lv[1] + cfg_scale * (lv[0] - lv[1])
-                lp += torch.log_softmax(lv.flatten(), -1)[img[k]].item()
-            joint[img] = np.exp(lp)
-    return joint / joint.sum()
+        lv = [m(torch.cat([ids.expand(len(cells), -1), seqs], 1))[:, cols, g.visual_start:g.visual_start + V]
+              for ids in prompts]
+    logits = lv[0] if cfg_scale == 1 else lv[1] + cfg_scale * (lv[0] - lv[1])
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, cells[..., None]).squeeze(-1).sum(1)
+    return torch.softmax(lp, 0).numpy()
 
 
 def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
-    n = out.shape[0]
-    flat = (out.view(n, 4) * torch.tensor([64, 16, 4, 1])).sum(1).numpy()
-    observed = np.bincount(flat, minlength=256)
-    expected = joint.reshape(-1) * n
+    """Chi-square p-value of sampled images (N, H, W) against `_exact_joint` (cells with expected count < 5 pooled)."""
+    n, tokens = out.shape[0], out[0].numel()
+    V = round(len(joint) ** (1 / tokens))
+    flat = (out.reshape(n, tokens) * V ** torch.arange(tokens - 1, -1, -1)).sum(1).numpy()
+    observed = np.bincount(flat, minlength=len(joint))
+    expected = joint * n
     keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
     obs = np.append(observed[keep], observed[~keep].sum())
     exp = np.append(expected[keep], expected[~keep].sum())
@@ -789,34 +786,14 @@ def test_typical_acceptance_in_the_carry_window():
 def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     """The default's carry settings on a 3x3 grid of 2 codes (512 images, longer carry chains than 2x2): chi-square
     of 20,000 samples against the exact joint; typical acceptance of carried tokens on the same draws is rejected."""
-    G, V, n = 3, 2, 20000
-    m = tiny(True, codes=V, grid=G, sharpen=3.0)
-    g = m.grid
-    ids = torch.cat([m.prompt_ids([PROMPTS[0]]), m.null_prompt_ids(1)])
-    cells = list(itertools.product(range(V), repeat=G * G))
-    seqs = torch.cat([g.grid_to_sequence(torch.tensor(img).view(1, G, G)) for img in cells])  # (512, L)
-    with torch.no_grad():
-        logits = torch.cat([m(torch.cat([ids[k:k + 1].expand(len(cells), -1), seqs], 1))[:, g.prefix_len - 1:]
-                            for k in range(2)])  # cond rows, then uncond rows
-    cond, uncond = logits.chunk(2)
-    cols = [g.position(r, c) - g.prefix_len for r, c in itertools.product(range(G), range(G))]
-    lv = uncond[:, cols, g.visual_start:g.visual_start + V] + 2.0 * (cond - uncond)[:, cols, g.visual_start:
-                                                                                  g.visual_start + V]
-    lp = torch.log_softmax(lv, -1).gather(-1, torch.tensor(cells)[..., None]).squeeze(-1).sum(1)
-    joint = torch.softmax(lp.double(), 0).numpy()
-    weights = torch.tensor([V ** (G * G - 1 - k) for k in range(G * G)])
-
-    def p_value(out):
-        obs = np.bincount((out.view(n, -1) * weights).sum(1).numpy(), minlength=len(cells))
-        exp = joint * n
-        keep = exp >= 5
-        return stats.chisquare(np.append(obs[keep], obs[~keep].sum()), np.append(exp[keep], exp[~keep].sum())).pvalue
-
+    n = 20000
+    m = tiny(True, codes=2, grid=3, sharpen=3.0)
+    joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
     kw = dict(rounds=0, carry=True, max_window_rows=2, draft_temperature=0.5, redraft=4, redraft_rows=1,
               second_row_wait=2)
     prompts = m.prompts([PROMPTS[0]] * n)
     out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)), **kw)
-    assert p_value(out) > 1e-3
+    assert _gof_pvalue(out, joint) > 1e-3
     out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)),
                           acceptance="typical_carried", **kw)
-    assert p_value(out) < 1e-6
+    assert _gof_pvalue(out, joint) < 1e-6
