@@ -21,11 +21,15 @@ def tiny(eol: bool, codes: int = 24, grid: int = 5, sharpen: float = 20.0) -> Sh
     return tiny_llama(eol, codes, grid, sharpen)
 
 
-def noisy_drafter(m: ShapesLlama) -> FPhi:
+def noisy_drafter(m: ShapesLlama, left: bool = False) -> FPhi:
+    """An imperfect drafter (many rejections); `left`: with row and left context (drafts a down row left to right)."""
     torch.manual_seed(1)
-    d = FPhi(m.hidden_size, "xs")
+    d = FPhi(m.hidden_size, "xs", **(dict(context_kernel=3, left_context=True) if left else {}))
     for net in d.nets.values():
-        torch.nn.init.normal_(net[-1].weight, std=0.05)  # an imperfect drafter: many rejections
+        torch.nn.init.normal_(net[-1].weight, std=0.05)
+    if left:
+        for lin in (d.left_in, d.left_block.mlp[-1]):
+            torch.nn.init.normal_(lin.weight, std=0.05)
     return d
 
 
@@ -34,13 +38,16 @@ def noisy_drafter(m: ShapesLlama) -> FPhi:
                                 dict(exact=True, vertical=False), dict(rounds=0, carry=True),
                                 dict(rounds=1, carry=True, vertical=False), dict(rounds=0, carry=True,
                                                                                   acceptance="typical"),
-                                dict(rounds=0, carry=True, acceptance="typical_carried", redraft=2)])
+                                dict(rounds=0, carry=True, acceptance="typical_carried", redraft=2),
+                                dict(rounds=0, carry=True, left_draft="above"), dict(rounds=5, left_draft="above"),
+                                dict(rounds=0, carry=True, left_draft="sequential")])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
     p = m.prompts(PROMPTS)
+    drafter = noisy_drafter(m, left="left_draft" in kw)
     for scale in (1.0, 3.0):
         ref, _ = ar.generate(m, p, cfg_scale=scale, temperature=0)
-        out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=scale, temperature=0, **kw)
+        out, st = ssd.generate(m, p, drafter, cfg_scale=scale, temperature=0, **kw)
         assert torch.equal(out, ref)
         assert len(torch.unique(ref)) > 3
 
@@ -348,15 +355,16 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
         init(self, st, rule, drafter)
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
-                  max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5)
+                  max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5,
+                  left_draft="above")
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
-        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), cfg_scale=3.0, carry=True,
+        ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m, left=True), cfg_scale=3.0, carry=True,
                      rngs=make_rngs([0]), **values)
         ssd.generate(m, m.prompts(PROMPTS[:1]), noisy_drafter(m), cfg_scale=3.0, carry=True,
                      rngs=make_rngs([0]))
-        ssd.generate(m, m.prompts(PROMPTS[:2]), noisy_drafter(m), cfg_scale=3.0, carry=True, slots=1,
+        ssd.generate(m, m.prompts(PROMPTS[:2]), noisy_drafter(m, left=True), cfg_scale=3.0, carry=True, slots=1,
                      rngs=make_rngs([0, 1]), **values)
     assert seen[0] == CarryRule(**values)
     assert seen[1] == CarryRule(**{f: params[f].default for f in fields})
@@ -797,3 +805,38 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)),
                           acceptance="typical_carried", **kw)
     assert _gof_pvalue(out, joint) < 1e-6
+
+
+def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_the_left_neighbours():
+    """left_draft="above": one drafter call per down row (W with "sequential"), each column's left input the token
+    above its left neighbour (column 0: the token before the row, known); errors name the value and the fix."""
+    m = tiny(True)
+    p = m.prompts(PROMPTS[:1])
+    d = noisy_drafter(m, left=True)
+    g = m.grid
+    _, seq = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]))
+    _, one = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above")
+    right_calls = g.width - 1  # the first row's chain of right steps
+    assert seq["draft_calls"] == right_calls + (g.height - 1) * g.width
+    assert one["draft_calls"] == right_calls + g.height - 1
+    seen = []
+    column = d.down_column
+
+    def spy(trunk, hidden, left_embed):
+        seen.append(left_embed)
+        return column(trunk, hidden, left_embed)
+
+    d.down_column = spy
+    codes, _ = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above", cfg_scale=1.0,
+                            max_window_rows=1)  # a row is drafted once the rows above are final: the codes above
+    del d.down_column
+    assert len(seen) == g.height - 1 and seen[0].shape[:2] == (1, g.width)
+    from specgen.backbones.protocol import embed_image
+    for r, left in enumerate(seen, start=1):  # row r's left inputs: [token before the row, x_{r-1, 0..W-2}]
+        before = g.eol_token if g.eol_id is not None else codes[0, r - 1, -1]
+        want = embed_image(m, torch.cat([torch.tensor([before]), codes[0, r - 1, :-1]])[None])
+        assert torch.allclose(left, want)
+    with pytest.raises(ValueError, match="left_draft='diagonal' is not a way"):
+        ssd.generate(m, p, d, carry=True, left_draft="diagonal")
+    with pytest.raises(ValueError, match="left_draft='above' .* no left context; set left_draft=sequential"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, left_draft="above")

@@ -61,15 +61,16 @@ def _draft_right(st: SpecState, drafter, start: int, row: int,
 
 
 def _draft_down(st: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor | None = None,
-                draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                draft_temperature: float | None = None,
+                left_draft: str = "sequential") -> tuple[torch.Tensor, torch.Tensor]:
     """Rows `rows` (S,) of images `images` (S,; default: every image), all columns at once:
-    f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above."""
+    f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above (with left context: see `_draft_down_left`)."""
     g = st.g
     images = torch.arange(st.B, device=rows.device) if images is None else images
     above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)  # (S', W)
     rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
     if getattr(drafter, "left_context", False):
-        return _draft_down_left(st, drafter, above, rep, images, draft_temperature)
+        return _draft_down_left(st, drafter, above, rep, images, draft_temperature, left_draft)
     h = drafter.down(st.hid[rep, above - 1], st.embed(st.seq[rep, above]))  # (S', W, D) or code logits
     st.draft_calls += 1
     tokens_out = getattr(drafter, "predicts", "hidden") == "tokens"
@@ -78,12 +79,20 @@ def _draft_down(st: SpecState, drafter, rows: torch.Tensor, images: torch.Tensor
 
 
 def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Tensor, images: torch.Tensor,
-                     draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Down drafts with left context: the row trunk once, then column by column from the previous column's draft."""
+                     draft_temperature: float | None,
+                     left_draft: str = "sequential") -> tuple[torch.Tensor, torch.Tensor]:
+    """Down drafts with left context: the row trunk once, then column by column from the previous column's draft
+    (`left_draft="sequential"`), or every column in one call with the token above its left neighbour standing in
+    for that neighbour's draft (`"above"`; column 0's left neighbour is known either way)."""
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
     prev = st.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
+    if left_draft == "above":
+        left = torch.cat([prev[:, None], st.seq[rep, above[:, :-1]]], 1)  # (S', W): x_{r,c-1} guessed as x_{r-1,c-1}
+        q = st.dist(drafter.down_column(trunk, hidden, st.embed(left)), draft_temperature)  # (S, W, V)
+        st.draft_calls += 1
+        return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
     for c in range(g.width):
         state = drafter.down_column(trunk[:, c], hidden[:, c], st.embed(prev))  # (S', D)
@@ -140,6 +149,11 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         expect_float("typical_delta", rule.typical_delta, 0.0)
     if rule.draft_temperature is not None:
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
+    if rule.left_draft not in ("sequential", "above"):
+        raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential or above")
+    if rule.left_draft != "sequential" and not getattr(drafter, "left_context", False):
+        raise ValueError(f"left_draft={rule.left_draft!r} chooses what stands in for a down draft's left neighbour, "
+                         f"and this drafter has no left context; set left_draft=sequential")
 
 
 @torch.no_grad()
@@ -149,7 +163,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              draft_temperature: float | None = None, max_lead: int | None = 2, max_window_rows: int | None = None,
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
              max_row_passes: int | None = None, second_row_wait: int | None = None,
-             acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3):
+             acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3,
+             left_draft: str = "sequential"):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -171,6 +186,10 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     min(1, p(t)/q(t)), else draw from the residual); beyond the paper, "typical" (Medusa's typical acceptance:
     keep t when p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless) or
     "typical_carried" (fresh drafts by the speculative test, carried tokens by the typical one);
+    `left_draft` (drafters with left context; beyond the paper): "sequential" drafts a down row column by column,
+    each from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each
+    column's left neighbour standing in for that neighbour's draft (fewer drafter calls, the drafts agree less with
+    each other; lossless either way: verification divides by the q each draft was drawn from);
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -180,7 +199,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     rule = CarryRule(rounds=rounds, max_lead=max_lead, max_window_rows=max_window_rows,
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
                      max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
-                     typical_epsilon=typical_epsilon, typical_delta=typical_delta)
+                     typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)
@@ -193,11 +212,11 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     st.target_pass(g.prefix_len)  # prefill: prompt slot and begin-of-image
     if carry:
         return _generate_carry(st, drafter, rule, vertical)
-    return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature)
+    return _generate_rows(st, drafter, rounds, exact, vertical, draft_temperature, left_draft)
 
 
 def _generate_rows(st: SpecState, drafter, rounds: int, exact: bool, vertical: bool,
-                   draft_temperature: float | None):
+                   draft_temperature: float | None, left_draft: str = "sequential"):
     """The paper's auto-correction (or `exact`): the batch's rows in lockstep, each drafted then verified."""
     g, B, dev = st.g, st.B, st.seq.device
     accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
@@ -212,7 +231,7 @@ def _generate_rows(st: SpecState, drafter, rounds: int, exact: bool, vertical: b
             start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
             draft, q = _draft_right(st, drafter, start, r, draft_temperature)
         else:
-            draft, q = _draft_down(st, drafter, torch.full((B,), r, device=dev), None, draft_temperature)
+            draft, q = _draft_down(st, drafter, torch.full((B,), r, device=dev), None, draft_temperature, left_draft)
         st.set_tokens(cols, draft)
         if exact:
             accept_map[:, r], rounds_used[:, r] = _verify_exact(st, cols, q)
@@ -290,7 +309,7 @@ def draft_due(st: SpecState, win: CarryWindow, drafter, vertical: bool) -> None:
     images = ready.nonzero().flatten()
     rows = win.next_row[images]
     if vertical and int(rows.min()) > 0:
-        draft, q = _draft_down(st, drafter, rows, images, draft_temperature)
+        draft, q = _draft_down(st, drafter, rows, images, draft_temperature, win.rule.left_draft)
     elif not bool(ready.all()) or int(rows.max()) != int(rows.min()):
         return  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
     else:

@@ -25,7 +25,9 @@ class CarryRule:
     second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait);
     acceptance: how a window token is judged: "speculative" (min(1, p/q), else the residual), "typical" (kept when
     p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else redrawn from p) or "typical_carried" (fresh drafts
-    speculative, carried tokens typical)."""
+    speculative, carried tokens typical);
+    left_draft: what a down draft's left neighbour is ("sequential": the previous column's draft; "above": the token
+    above that neighbour, every column in one drafter call)."""
 
     rounds: int
     max_lead: int | None
@@ -38,6 +40,7 @@ class CarryRule:
     acceptance: str = "speculative"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
+    left_draft: str = "sequential"
 
 
 class CarryWindow:
