@@ -809,7 +809,7 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
 
 def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_the_left_neighbours():
     """left_draft="above": one drafter call per down row (W with "sequential"), each column's left input the token
-    above its left neighbour (column 0: the token before the row, known); errors name the value and the fix."""
+    above its left neighbour (column 0: the token before the row, known); a bad value is named."""
     m = tiny(True)
     p = m.prompts(PROMPTS[:1])
     d = noisy_drafter(m, left=True)
@@ -838,5 +838,7 @@ def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_th
         assert torch.allclose(left, want)
     with pytest.raises(ValueError, match="left_draft='diagonal' is not a way"):
         ssd.generate(m, p, d, carry=True, left_draft="diagonal")
-    with pytest.raises(ValueError, match="left_draft='above' .* no left context; set left_draft=sequential"):
-        ssd.generate(m, p, noisy_drafter(m), carry=True, left_draft="above")
+    plain = noisy_drafter(m)  # no left context: a row is one call either way, and the option changes nothing
+    a, sa = ssd.generate(m, p, plain, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above")
+    b, sb = ssd.generate(m, p, plain, rounds=0, carry=True, rngs=make_rngs([0]))
+    assert torch.equal(a, b) and sa["nfe"] == sb["nfe"] and sa["draft_calls"] == sb["draft_calls"]

@@ -151,9 +151,6 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
     if rule.left_draft not in ("sequential", "above"):
         raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential or above")
-    if rule.left_draft != "sequential" and not getattr(drafter, "left_context", False):
-        raise ValueError(f"left_draft={rule.left_draft!r} chooses what stands in for a down draft's left neighbour, "
-                         f"and this drafter has no left context; set left_draft=sequential")
 
 
 @torch.no_grad()
@@ -189,7 +186,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     `left_draft` (drafters with left context; beyond the paper): "sequential" drafts a down row column by column,
     each from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each
     column's left neighbour standing in for that neighbour's draft (fewer drafter calls, the drafts agree less with
-    each other; lossless either way: verification divides by the q each draft was drawn from);
+    each other; lossless either way: verification divides by the q each draft was drawn from); a drafter without left
+    context drafts a row in one call whatever this says;
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
