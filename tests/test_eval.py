@@ -326,9 +326,10 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
 
     from specgen.eval import evaluate as run_eval
 
-    strategies = ("ar", "ssd", "ssd_paper", "ssd_exact", "ssd_typical_carried", "sjd", "zipar", "mtp1d", "specdec")
-    drafters = {"ssd": "fphi", "ssd_paper": "fphi", "ssd_exact": "fphi", "ssd_typical_carried": "fphi", "mtp1d": "mtp",
-                "specdec": "ar"}
+    strategies = ("ar", "ssd", "ssd_paper", "ssd_exact", "ssd_typical_carried", "ssd_row_draft", "sjd", "zipar", "mtp1d",
+                  "specdec")
+    drafters = {"ssd": "fphi", "ssd_paper": "fphi", "ssd_exact": "fphi", "ssd_typical_carried": "fphi",
+                "ssd_row_draft": "fphi", "mtp1d": "mtp", "specdec": "ar"}
     cfg = compose_cfg("eval", ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2",
@@ -421,6 +422,7 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
                                f"strategies.ssd_paper.fn.drafter.dirpath={tiny_exports / 'fphi'}",
                                f"strategies.ssd_exact.fn.drafter.dirpath={tiny_exports / 'fphi'}",
                                f"strategies.ssd_typical_carried.fn.drafter.dirpath={tiny_exports / 'fphi'}",
+                               f"strategies.ssd_row_draft.fn.drafter.dirpath={tiny_exports / 'fphi'}",
                                "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"],
                       tmp_path)
     m = run_eval(cfg)
