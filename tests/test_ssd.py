@@ -188,12 +188,14 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "ssd_exact_argmax_draft", "mtp1d",
-                                     "specdec", "sjd", "ssd_carry_default", "broken", "ssd_typical"])
+                                     "specdec", "sjd", "ssd_carry_default", "ssd_row_draft", "broken",
+                                     "ssd_typical"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
     `ssd_carry_default` is the carry window with the default `ssd`'s settings (approximately lossless: carried tokens
-    are checked against the last pass's p). `broken` (every draft accepted: samples from the drafter) and
+    are checked against the last pass's p); `ssd_row_draft` the same with a left-context drafter whose down rows are
+    drafted in one call (`left_draft="above"`). `broken` (every draft accepted: samples from the drafter) and
     `ssd_typical` (typical acceptance keeps plausible drafts: not lossless) show that the test has power."""
     m = tiny(True, codes=4, grid=2, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
@@ -208,10 +210,13 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
         out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs, window=3, init="vertical")
     elif decoder == "specdec":
         out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, rngs=rngs, window=2)
-    elif decoder in ("ssd_carry_default", "ssd_typical"):
+    elif decoder in ("ssd_carry_default", "ssd_row_draft", "ssd_typical"):
         kw = dict(rounds=0, carry=True, max_window_rows=2, draft_temperature=0.5, redraft=4, redraft_rows=1,
                   second_row_wait=2, acceptance="typical" if decoder == "ssd_typical" else "speculative")
-        out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m), cfg_scale=2.0, rngs=rngs, **kw)
+        if decoder == "ssd_row_draft":
+            kw["left_draft"] = "above"
+        out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m, left=decoder == "ssd_row_draft"), cfg_scale=2.0,
+                              rngs=rngs, **kw)
     else:
         if decoder == "broken":
             monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))

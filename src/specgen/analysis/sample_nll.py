@@ -3,8 +3,8 @@ token, teacher-forced, compared with AR's on the same prompts.
 
 For any sampler whose images follow the target's (guided, warped) distribution P, the mean negative log-probability
 per token, E_{x ~ sampler}[-log P(x_t | x_<t)], equals AR's: both are P's entropy rate. A lossless decoder must match
-it within noise; a shift says the sampler over- or under-represents some tokens, and its breakdown by row, by column
-and by the target's confidence says where. It is far more sensitive than FID on a few hundred images: every token of
+it within noise; a shift says the sampler over- or under-represents some tokens, and its breakdown by row and by
+column says where. It is far more sensitive than FID on a few hundred images: every token of
 every image is a sample.
 
     python -m specgen.analysis.sample_nll --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgen.analysis.row_passes import add_world_args, load_world
+from specgen.analysis.row_passes import add_world_args, decoding_options, load_world
 from specgen.decoding import ar, ssd
 from specgen.decoding.sampling import make_rngs
 from specgen.decoding.state import SpecState
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch_size < 1:
         ap.error(f"--batch-size {args.batch_size}: give at least 1")
     backbone, drafter, prompts, strategies = load_world(args)
-    strategies = {**({} if args.no_ar else {"ar": None}), **(strategies or {"ssd": ssd_options()})}
+    strategies = {**({} if args.no_ar else {"ar": None}), **(strategies or {"ssd": decoding_options("ssd")})}
     logps, result = {}, {}
     for name, options in strategies.items():
         print(f"{name}: decoding {len(prompts)} images", flush=True)
@@ -145,11 +145,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<22} {r['nll']:>9.4f} +-{r['nll_ci95']:.4f} {diff:>18} "
               f"{r['excess']:>+9.4f} +-{r['excess_ci95']:.4f} {r['low_p_share']:>9.4f}")
     return result
-
-
-def ssd_options() -> dict:
-    from specgen.analysis.row_passes import decoding_options
-    return decoding_options("ssd")
 
 
 if __name__ == "__main__":
