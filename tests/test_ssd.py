@@ -151,6 +151,16 @@ def test_carry_pass_statistics_account_for_every_token_once(rounds):
     for key in ("fresh_change_rate", "carried_change_rate", "first_change_fresh"):
         assert ((st[key] >= 0) & (st[key] <= 1)).all(), key
     assert (st["fresh_change_rate"] > st["carried_change_rate"]).all() and (st["fresh_change_rate"] > 0.2).all()
+    # cascades: by distance, every token is judged fresh once; the bins add up to the change rates; a pass whose
+    # window's first token (distance 0) changed finalised only that token
+    by = st["change_by_distance"]  # (B, fresh/carried, judged/changed, distance)
+    assert by.shape == (3, 2, 2, 2 * m.grid.width)
+    assert torch.equal(by[:, 0, 0].sum(-1), torch.full((3,), float(n)))
+    for kind, key in enumerate(("fresh_change_rate", "carried_change_rate")):
+        assert torch.allclose(by[:, kind, 1].sum(-1) / by[:, kind, 0].sum(-1).clamp_min(1), st[key])
+    assert torch.allclose(st["single_token_passes"] * (st["image_passes"] - 1), by[:, :, 1, 0].sum(1))
+    assert ((st["after_change_rate"] >= 0) & (st["after_change_rate"] <= 1)).all()
+    assert (by[:, :, 1] <= by[:, :, 0]).all() and (st["single_token_passes"] > 0).all()
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
     out, st = ssd.generate(m, p, noisy_drafter(m), cfg_scale=3.0, temperature=0, rounds=rounds, carry=True)
     assert torch.equal(out, ref)
@@ -568,6 +578,11 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
     assert set(saved) == set(out) == set(row_passes.config_strategies())
     assert (tmp_path / "row_passes.png").stat().st_size > 0
     assert all(len(r["passes"]) == 16 and r["images"] == 2 for r in saved.values())
+    cascades = saved["ssd"]["cascades"]  # carry: the window's cascades; the paper's rule has no window
+    assert "cascades" not in saved["ssd_paper"]
+    assert len(cascades["carried_rate_by_distance"]) == 32 and 0 <= cascades["single_token_passes"] <= 1
+    # two images, each token judged fresh at least once (the default re-drafts the first row's tokens after a change)
+    assert sum(cascades["fresh_judged_by_distance"]) >= 2 * 256
     assert row_passes.parse_variant("dt=rounds:0,carry:true,draft_temperature:0.5,max_window_rows:null") == \
         ("dt", {"rounds": 0, "carry": True, "draft_temperature": 0.5, "max_window_rows": None})
     with pytest.raises(ValueError, match="NAME=key:value"):

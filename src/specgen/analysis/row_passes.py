@@ -10,6 +10,11 @@ which grows with W: the per-row slope, against W and r + 1, says which regime a 
         --drafter checkpoints/fphi_accept --prompts 32 --out logs/row_passes
 
 -> <out>/row_passes.json (mean passes per k with 95% intervals, the linear fit per strategy), row_passes.png.
+For strategies with carry it also reports cascades: a pass finalises its window up to the first change, and the
+token after that change, judged given its replaced left neighbour, is judged again next pass; when it changes again
+the pass finalised one token. The share of such passes, that token's change rate, and change rates of fresh and
+carried tokens by their distance from the window's first token (json, printout and a third panel) say how much of
+the passes such chains take.
 The strategies are the decoding configs `ssd` (the default) and `ssd_paper` as the benchmark runs them
 (`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate`
 option sets (values parsed as YAML), e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2
@@ -84,16 +89,35 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
     the tokens per image kept without a check against their final left context (`unchecked`, mean and 95%)."""
     out = {}
     for name, options in (strategies or config_strategies()).items():
-        rows, unchecked = [], []
+        rows, unchecked, cascades = [], [], []
         for i, text in enumerate(prompts):
             _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
                                     rngs=make_rngs([seed + i]), **options)
             rows.append(stats["row_final_pass"][0].float())
             unchecked.append(float(stats["unchecked_tokens"][0]))
+            if "change_by_distance" in stats:  # the carry window's pass statistics
+                cascades.append(stats)
         out[name] = summarise(torch.stack(rows).numpy(), backbone.grid.width, options.get("rounds", 0))
         out[name]["unchecked"] = float(np.mean(unchecked))
         out[name]["unchecked_ci95"] = float(mean_ci95(np.array(unchecked)))
+        if cascades:
+            out[name]["cascades"] = summarise_cascades(cascades)
     return out
+
+
+def summarise_cascades(stats: list[dict]) -> dict:
+    """Cascades of the carry window over images (batch-1 stats): the share of passes that finalised only their first
+    token, the change rate of the token after a pass's first change when next judged, and change rates of fresh and
+    carried tokens by distance from the window's first token (pooled over images; None where none was judged)."""
+    single = np.array([float(s["single_token_passes"][0]) for s in stats])
+    after = np.array([float(s["after_change_rate"][0]) for s in stats])
+    counts = torch.stack([s["change_by_distance"][0] for s in stats]).sum(0)  # (2, 2, K)
+    rates = torch.where(counts[:, 0] > 0, counts[:, 1] / counts[:, 0].clamp_min(1), float("nan"))
+    as_list = lambda t: [None if np.isnan(v) else float(v) for v in t.tolist()]  # noqa: E731
+    return {"single_token_passes": float(single.mean()), "single_token_passes_ci95": float(mean_ci95(single)),
+            "after_change_rate": float(after.mean()), "after_change_rate_ci95": float(mean_ci95(after)),
+            "fresh_rate_by_distance": as_list(rates[0]), "carried_rate_by_distance": as_list(rates[1]),
+            "fresh_judged_by_distance": counts[0, 0].tolist(), "carried_judged_by_distance": counts[1, 0].tolist()}
 
 
 def summarise(passes: np.ndarray, width: int, rounds: int) -> dict:
@@ -111,7 +135,9 @@ def summarise(passes: np.ndarray, width: int, rounds: int) -> dict:
 
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    carry = {name: r["cascades"] for name, r in result.items() if "cascades" in r}
+    fig, axes = plt.subplots(1, 3 if carry else 2, figsize=(15 if carry else 10, 4))
+    a, b = axes[:2]
     for name, r in result.items():
         k = np.arange(1, len(r["passes"]) + 1)
         a.errorbar(k, r["passes"], yerr=r["passes_ci95"], marker="o", ms=3, capsize=2,
@@ -125,6 +151,16 @@ def plot(result: dict, path: Path) -> None:
     b.set_ylabel("AR passes / SSD passes for the first k rows")
     b.set_title("speed-up in passes as rows are added")
     b.legend(fontsize=8)
+    if carry:
+        c = axes[2]
+        for name, r in carry.items():
+            for key, style in (("carried_rate_by_distance", "-"), ("fresh_rate_by_distance", ":")):
+                rates = np.array([np.nan if v is None else v for v in r[key]])
+                c.plot(np.arange(len(rates)), rates, style, marker="o", ms=3, label=f"{name}: {key.split('_')[0]}")
+        c.set_xlabel("distance from the window's first token (last bin: this far or more)")
+        c.set_ylabel("share of judged tokens that changed")
+        c.set_title("cascades: change rate along the window")
+        c.legend(fontsize=8)
     save(fig, path)
 
 
@@ -178,6 +214,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<22} {total:>14} {r['first_row_passes']:>6.1f} {r['passes_per_row']:>10.2f} "
               f"{r['rounds_plus_one']:>4d} " + " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks) +
               f" {r['unchecked']:>7.1f} +-{r['unchecked_ci95']:.1f}")
+    carry = {name: r["cascades"] for name, r in result.items() if "cascades" in r}
+    if carry:
+        print("cascades (carry window): passes that finalised one token; change rate of the token after a pass's "
+              "first change; change rates by distance from the window's first token (carried / fresh)")
+        for name, c in carry.items():
+            by = lambda key: " ".join("  -  " if v is None else f"{v:.2f}" for v in c[key][:8])  # noqa: E731
+            print(f"{name:<22} one-token passes {c['single_token_passes']:.2f} +-{c['single_token_passes_ci95']:.2f}"
+                  f"  after a change {c['after_change_rate']:.2f} +-{c['after_change_rate_ci95']:.2f}  "
+                  f"carried d=0..7: {by('carried_rate_by_distance')}  fresh: {by('fresh_rate_by_distance')}")
     return result
 
 

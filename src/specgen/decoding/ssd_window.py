@@ -73,7 +73,11 @@ class CarryWindow:
         # of each changed, tokens finalised, and passes whose first change fell on a fresh draft
         self.counts = {k: torch.zeros(B, device=dev) for k in
                        ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed",
-                        "unchecked")}
+                        "unchecked", "single", "after", "after_changed")}
+        # cascades: per image, tokens judged and changed by their distance from the window's first token (the one
+        # after the last pass's first change), fresh [0] and carried [1]; distances from 2W on share the last bin
+        self.by_distance = torch.zeros(B, 2, 2, 2 * g.width, device=dev)  # (B, fresh/carried, judged/changed, d)
+        self.last_changed = torch.zeros(B, dtype=torch.bool, device=dev)  # the image's last pass changed a token
 
     def floor(self) -> int:
         """The lowest slot whose state a draft or a pass may still read: the one before the slowest image's row
@@ -256,14 +260,30 @@ class CarryWindow:
         if changed.any():
             c["changed"][b] += 1
             c["first_on_fresh"][b] += fresh[first].float()
+        if self.last_changed[b]:  # the window's first token follows the last pass's first change
+            c["after"][b] += 1
+            c["after_changed"][b] += changed[0].float()
+        c["single"][b] += changed[0].float()  # the pass finalised only its first token, which changed again
+        self.last_changed[b] = changed.any()
+        d = torch.arange(own.numel(), device=own.device).clamp_max(self.by_distance.shape[-1] - 1)
+        kind = (~fresh).long()  # 0 fresh, 1 carried
+        self.by_distance[b, :, 0].index_put_((kind, d), torch.ones_like(d, dtype=torch.float), accumulate=True)
+        self.by_distance[b, :, 1].index_put_((kind, d), changed.float(), accumulate=True)
         self.fresh[b, own] = False
 
     def pass_stats(self) -> dict[str, torch.Tensor]:
-        """(B,) per image: change rates of fresh drafts and of carried tokens, tokens finalised per pass, and the
-        share of passes with a change whose first change (what ends the pass's progress) was a fresh draft."""
+        """(B,) per image: change rates of fresh drafts and of carried tokens, tokens finalised per pass, the share
+        of passes with a change whose first change (what ends the pass's progress) was a fresh draft; cascades: the
+        share of passes that finalised only their first token (it changed again: the token after the last pass's
+        first change, now judged given its new left neighbour), and how often that token changes after a pass with
+        a change; (B, 2, 2, 2W) `change_by_distance`: tokens judged [.., 0, d] and changed [.., 1, d], fresh [:, 0]
+        and carried [:, 1], by their distance d from the window's first token (from 2W on, the last bin)."""
         c, div = self.counts, lambda a, b: a / b.clamp_min(1)  # noqa: E731
         return {"fresh_change_rate": div(c["fresh_changed"], c["fresh"]),
                 "carried_change_rate": div(c["carried_changed"], c["carried"]),
                 "final_per_pass": div(c["finalised"], self.passes.float()),
                 "first_change_fresh": div(c["first_on_fresh"], c["changed"]),
+                "single_token_passes": div(c["single"], self.passes.float()),
+                "after_change_rate": div(c["after_changed"], c["after"]),
+                "change_by_distance": self.by_distance.clone(),
                 "unchecked_tokens": c["unchecked"].clone()}
