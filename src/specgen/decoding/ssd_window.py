@@ -263,7 +263,7 @@ class CarryWindow:
         if self.last_changed[b]:  # the window's first token follows the last pass's first change
             c["after"][b] += 1
             c["after_changed"][b] += changed[0].float()
-        c["single"][b] += changed[0].float()  # the pass finalised only its first token, which changed again
+        c["single"][b] += changed[0].float()  # the pass finalised only its first token, which changed
         self.last_changed[b] = changed.any()
         d = torch.arange(own.numel(), device=own.device).clamp_max(self.by_distance.shape[-1] - 1)
         kind = (~fresh).long()  # 0 fresh, 1 carried
@@ -274,8 +274,8 @@ class CarryWindow:
     def pass_stats(self) -> dict[str, torch.Tensor]:
         """(B,) per image: change rates of fresh drafts and of carried tokens, tokens finalised per pass, the share
         of passes with a change whose first change (what ends the pass's progress) was a fresh draft; cascades: the
-        share of passes that finalised only their first token (it changed again: the token after the last pass's
-        first change, now judged given its new left neighbour), and how often that token changes after a pass with
+        share of passes that finalised only their first token (it changed; mostly the token after the last pass's
+        first change, judged again given its new left neighbour), and how often that token changes after a pass with
         a change; (B, 2, 2, 2W) `change_by_distance`: tokens judged [.., 0, d] and changed [.., 1, d], fresh [:, 0]
         and carried [:, 1], by their distance d from the window's first token (from 2W on, the last bin)."""
         c, div = self.counts, lambda a, b: a / b.clamp_min(1)  # noqa: E731
