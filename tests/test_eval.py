@@ -275,6 +275,41 @@ def test_speed_averages_per_image_statistics_over_images():
     assert res["tokens_per_pass"] == pytest.approx((2 + 1) / 2) and res["nfe"] == 7
 
 
+def test_speed_interleaves_fixed_batch_strategies_batch_by_batch():
+    """A machine whose speed changes during the run must not favour one strategy: every batch is decoded by each
+    fixed-batch strategy in turn (same seeds), after one warm-up each; a streaming strategy runs after them in one
+    call. Per-strategy results are kept apart and the reference comes first."""
+    import torch
+
+    from specgen.evaluation.speed import compare
+
+    class Fake:
+        device = torch.device("cpu")
+
+        def prompts(self, prompts):
+            return torch.arange(len(prompts))
+
+    calls = []
+
+    def strategy(name, nfe):
+        def decode(backbone, ids, rngs=None, slots=None):
+            calls.append((name, len(ids), rngs[0].initial_seed(), slots))
+            return None, {"nfe": nfe, "image_passes": torch.full((len(ids),), float(nfe))}
+        return decode
+
+    out = compare(Fake(), {"ar": strategy("ar", 16), "ssd": strategy("ssd", 4), "stream": strategy("stream", 4)},
+                  ["a", "b", "c"], batch_sizes=[1, 2], streams=("stream",))
+    at_bs1 = [(name, seed) for name, _, seed, _ in calls[:12]]
+    assert at_bs1 == [("ar", 0), ("ssd", 0), ("stream", 0)] + [(n, s) for s in (0, 1, 2) for n in ("ar", "ssd",
+                                                                                                    "stream")]
+    at_bs2 = calls[12:]
+    assert [(name, size, seed) for name, size, seed, _ in at_bs2[:6]] == [
+        ("ar", 2, 0), ("ssd", 2, 0), ("ar", 2, 0), ("ssd", 2, 0), ("ar", 1, 2), ("ssd", 1, 2)]
+    assert [name for name, *_ in at_bs2[6:]] == ["stream", "stream"] and at_bs2[-1][3] == 2  # warm-up, then all
+    assert out["ssd/speed/nfe_ratio_bs1"] == 4 and out["ar/speed/nfe_bs2"] == 16 and out["ar/speed/wall_ratio_bs2"] == 1
+    assert list(out)[0].startswith("ar/")
+
+
 @pytest.mark.slow
 def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval

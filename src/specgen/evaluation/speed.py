@@ -1,7 +1,9 @@
 """Speed of decoding strategies measured side by side: same backbone, prompts, seeds and process.
 
 For each batch size and strategy: one warm-up batch, then `repeats` timed passes over the prompts
-(device synchronised). Reports latency per image, throughput, target passes (NFE) per image with a 95% interval over batches,
+(device synchronised), the fixed-batch strategies interleaved batch by batch (each batch decoded by every strategy in
+turn), so that the machine's changing speed on shared cores does not favour one of them; continuous-batching
+strategies (one call over all prompts) are timed after them. Reports latency per image, throughput, target passes (NFE) per image with a 95% interval over batches,
 draft calls, and peak memory (CUDA allocator on GPU; the process's peak RSS, reset per measurement,
 on CPU), plus wall-clock and NFE ratios against the reference strategy (the first one listed).
 """
@@ -65,28 +67,48 @@ def measure(backbone, decode_fn, prompts: list[str], batch_size: int, repeats: i
     decoder takes every prompt in one call with `slots=batch_size` (continuous batching) instead of fixed batches."""
     if stream and batch_size > 1:
         return _measure_stream(backbone, decode_fn, prompts, batch_size, repeats, seed)
+    return measure_interleaved(backbone, {"only": decode_fn}, prompts, batch_size, repeats, seed)["only"]
+
+
+def measure_interleaved(backbone, decode_fns: dict, prompts: list[str], batch_size: int, repeats: int = 1,
+                        seed: int = 0) -> dict[str, dict]:
+    """`measure` of several fixed-batch strategies at once: every batch is decoded by each strategy in turn, with the
+    same seeds, so that a change of the machine's speed during the run (shared cores) reaches every strategy alike
+    and cancels in the wall-clock ratios, instead of favouring whichever strategy ran while the machine was fast.
+    Peak memory is reset before each call and kept per strategy."""
     device = backbone.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     ids = [backbone.prompts(b) for b in batches]
-    decode_fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))  # warm-up
-    _reset_peak(device)
-    wall, nfe, drafts, extra, n = 0.0, [], [], {}, 0
+    for fn in decode_fns.values():  # warm-up
+        fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))
+    acc = {name: {"wall": 0.0, "nfe": [], "drafts": [], "extra": {}, "peak": []} for name in decode_fns}
+    n = 0
     for r in range(repeats):
         for b, x in enumerate(ids):
-            rngs = make_rngs([seed + 1000 * r + b * batch_size + i for i in range(len(x))], device)
-            _sync(device)
-            t0 = time.perf_counter()
-            _, stats = decode_fn(backbone, x, rngs=rngs)
-            _sync(device)
-            wall += time.perf_counter() - t0
-            nfe.append(stats["nfe"])
-            drafts.append(stats.get("draft_calls", 0))
-            _add_extra(extra, stats, len(x))
+            seeds = [seed + 1000 * r + b * batch_size + i for i in range(len(x))]
+            for name, fn in decode_fns.items():
+                a = acc[name]
+                rngs = make_rngs(seeds, device)
+                _reset_peak(device)
+                _sync(device)
+                t0 = time.perf_counter()
+                _, stats = fn(backbone, x, rngs=rngs)
+                _sync(device)
+                a["wall"] += time.perf_counter() - t0
+                a["peak"].append(_peak_mb(device))
+                a["nfe"].append(stats["nfe"])
+                a["drafts"].append(stats.get("draft_calls", 0))
+                _add_extra(a["extra"], stats, len(x))
             n += len(x)
     # nfe_ci95: the 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count (AR's)
-    return {"latency_s": wall / n, "throughput_img_s": n / wall, "nfe": float(np.mean(nfe)), "nfe_ci95": mean_ci95(nfe),
-            "draft_calls": float(np.mean(drafts)), "peak_mem_mb": _peak_mb(device), "images": float(n),
-            **{k: float(np.mean(v)) for k, v in extra.items()}}
+    out = {}
+    for name, a in acc.items():
+        peak = [v for v in a["peak"] if not np.isnan(v)]
+        out[name] = {"latency_s": a["wall"] / n, "throughput_img_s": n / a["wall"], "nfe": float(np.mean(a["nfe"])),
+                     "nfe_ci95": mean_ci95(a["nfe"]), "draft_calls": float(np.mean(a["drafts"])),
+                     "peak_mem_mb": max(peak) if peak else float("nan"), "images": float(n),
+                     **{k: float(np.mean(v)) for k, v in a["extra"].items()}}
+    return out
 
 
 def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats: int, seed: int) -> dict:
@@ -131,12 +153,15 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
         raise ValueError(f"{len(prompts)} speed prompts for min_batches={min_batches} at batch sizes {batch_sizes}: "
                          f"give {need} (prompts_needed), or lower speed.min_batches")
     for bs in batch_sizes:
-        results = {}
         use = prompts[: max(num_prompts or len(prompts), min_batches * bs)]
+        fixed = {name: fn for name, fn in strategies.items() if not (name in streams and bs > 1)}
+        log.info("speed: %s at batch %d (%d prompts, interleaved batch by batch)", ", ".join(fixed), bs, len(use))
+        results = measure_interleaved(backbone, fixed, use, bs, repeats)
         for name, fn in strategies.items():
-            log.info("speed: %s at batch %d (%d prompts%s)", name, bs, len(use),
-                     ", continuous batching" if name in streams and bs > 1 else "")
-            results[name] = measure(backbone, fn, use, bs, repeats, stream=name in streams)
+            if name not in fixed:
+                log.info("speed: %s at batch %d (%d prompts, continuous batching)", name, bs, len(use))
+                results[name] = measure(backbone, fn, use, bs, repeats, stream=True)
+        results = {name: results[name] for name in strategies}  # the reference first
         for name, res in results.items():
             res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
             res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
