@@ -96,7 +96,8 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
             rows.append(stats["row_final_pass"][0].float())
             unchecked.append(float(stats["unchecked_tokens"][0]))
             if "change_by_distance" in stats:  # the carry window's pass statistics
-                cascades.append(stats)
+                cascades.append({k: stats[k] for k in ("single_token_passes", "after_change_rate",
+                                                       "change_by_distance")})
         out[name] = summarise(torch.stack(rows).numpy(), backbone.grid.width, options.get("rounds", 0))
         out[name]["unchecked"] = float(np.mean(unchecked))
         out[name]["unchecked_ci95"] = float(mean_ci95(np.array(unchecked)))
