@@ -51,3 +51,24 @@ def test_ragged_cache_rejects_bad_feeds():
         cache.feed(torch.tensor([0]), torch.tensor([[9, 10]]))
     with pytest.raises(ValueError, match=r"rows \(R,\) and slots \(R, q\)"):
         cache.feed(torch.tensor([0, 1]), torch.tensor([[1, 2]]))
+
+
+def test_an_alternative_written_past_its_position_sees_the_slots_below_it_and_itself():
+    """mask(slots, positions=...): a token written at slot T' but at position s (an alternative to the token at s)
+    gets the state of a causal forward of the row with the alternative at s, and the row's tokens are unchanged."""
+    torch.manual_seed(0)
+    bb = ShapesLlama(preset="tiny", grid_size=4).eval()
+    T = bb.grid.seq_len
+    seq = torch.randint(0, 100, (1, T))
+    alt = seq.clone()
+    alt[0, 12] = (seq[0, 12] + 1) % 100
+    with torch.no_grad():
+        ref, ref_alt = bb.forward_hidden(seq, torch.arange(T)), bb.forward_hidden(alt, torch.arange(T))
+        cache = bb.new_ragged_cache(1, T + 2)
+        slots = torch.cat([torch.arange(T), torch.tensor([T + 1])])[None]  # the alternative written at T + 1
+        positions = torch.cat([torch.arange(T), torch.tensor([12])])[None]
+        emb = bb.embed(torch.cat([seq, alt[:, 12:13]], 1))
+        cache.feed(torch.tensor([0]), slots)
+        h = bb.forward_embeds(emb, positions, cache, cache.mask(slots, emb.dtype, positions))
+    torch.testing.assert_close(h[0, :T], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h[0, T], ref_alt[0, 12], rtol=1e-5, atol=1e-5)

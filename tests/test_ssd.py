@@ -40,7 +40,9 @@ def noisy_drafter(m: ShapesLlama, left: bool = False) -> FPhi:
                                                                                   acceptance="typical"),
                                 dict(rounds=0, carry=True, acceptance="typical_carried", redraft=2),
                                 dict(rounds=0, carry=True, left_draft="above"), dict(rounds=5, left_draft="above"),
-                                dict(rounds=0, carry=True, left_draft="sequential")])
+                                dict(rounds=0, carry=True, left_draft="sequential"),
+                                dict(rounds=0, carry=True, left_draft="refine"),
+                                dict(rounds=0, carry=True, siblings=3, redraft=2)])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
     p = m.prompts(PROMPTS)
@@ -198,16 +200,20 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "ssd_exact_argmax_draft", "mtp1d",
-                                     "specdec", "sjd", "ssd_carry_default", "ssd_row_draft", "broken",
-                                     "ssd_typical"])
+                                     "specdec", "sjd", "ssd_carry_default", "ssd_row_draft", "ssd_siblings",
+                                     "broken", "ssd_typical"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
     `ssd_carry_default` is the carry window with the default `ssd`'s settings (approximately lossless: carried tokens
     are checked against the last pass's p); `ssd_row_draft` the same with a left-context drafter whose down rows are
-    drafted in one call (`left_draft="above"`). `broken` (every draft accepted: samples from the drafter) and
+    drafted in one call (`left_draft="above"`), `ssd_siblings` the default's with alternatives fed for the token after
+    a change (`siblings=2`). `broken` (every draft accepted: samples from the drafter) and
     `ssd_typical` (typical acceptance keeps plausible drafts: not lossless) show that the test has power."""
-    m = tiny(True, codes=4, grid=2, sharpen=3.0)
+    if decoder == "ssd_siblings":  # 2 codes: a change always draws the fed alternative; 3x3 without end-of-row tokens
+        m = tiny(False, codes=2, grid=3, sharpen=3.0)  # (a change at a row's end has the next row's first token after it)
+    else:
+        m = tiny(True, codes=4, grid=2, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
     n = 4000
     prompt_ids = m.prompts([PROMPTS[0]] * n)
@@ -220,13 +226,18 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
         out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs, window=3, init="vertical")
     elif decoder == "specdec":
         out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, rngs=rngs, window=2)
-    elif decoder in ("ssd_carry_default", "ssd_row_draft", "ssd_typical"):
+    elif decoder in ("ssd_carry_default", "ssd_row_draft", "ssd_siblings", "ssd_typical"):
         kw = dict(rounds=0, carry=True, max_window_rows=2, draft_temperature=0.5, redraft=4, redraft_rows=1,
                   second_row_wait=2, acceptance="typical" if decoder == "ssd_typical" else "speculative")
         if decoder == "ssd_row_draft":
             kw["left_draft"] = "above"
-        out, _ = ssd.generate(m, prompt_ids, noisy_drafter(m, left=decoder == "ssd_row_draft"), cfg_scale=2.0,
+        if decoder == "ssd_siblings":
+            kw["siblings"] = 2
+        out, st = ssd.generate(m, prompt_ids, noisy_drafter(m, left=decoder == "ssd_row_draft"), cfg_scale=2.0,
                               rngs=rngs, **kw)
+        if decoder == "ssd_siblings":
+            hits = (st["sibling_hits"] * st["image_passes"]).sum()  # per image: hits per pass
+            assert hits > 500, hits  # the alternatives are used
     else:
         if decoder == "broken":
             monkeypatch.setattr(ssd, "accept_or_resample", lambda t, p, q, g: (t, torch.ones_like(t, dtype=bool)))
@@ -371,7 +382,7 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
                   max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5,
-                  left_draft="above")
+                  left_draft="above", siblings=2)
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
@@ -862,3 +873,100 @@ def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_th
     a, sa = ssd.generate(m, p, plain, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above")
     b, sb = ssd.generate(m, p, plain, rounds=0, carry=True, rngs=make_rngs([0]))
     assert torch.equal(a, b) and sa["nfe"] == sb["nfe"] and sa["draft_calls"] == sb["draft_calls"]
+
+
+def test_left_draft_refine_drafts_a_down_row_twice_the_second_time_from_the_first_calls_drafts():
+    """left_draft="refine": two drafter calls per down row; the second call's left inputs are [the token before the
+    row, the first call's most likely drafts of columns 0..W-2]; the drafts are drawn from the second call's q."""
+    m = tiny(True)
+    p = m.prompts(PROMPTS[:1])
+    d = noisy_drafter(m, left=True)
+    g = m.grid
+    _, st = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="refine")
+    assert st["draft_calls"] == g.width - 1 + 2 * (g.height - 1)
+    seen = []
+    column = d.down_column
+
+    def spy(trunk, hidden, left_embed):
+        out = column(trunk, hidden, left_embed)
+        seen.append((left_embed, out))
+        return out
+
+    d.down_column = spy
+    ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="refine", cfg_scale=1.0,
+                 max_window_rows=1)
+    del d.down_column
+    assert len(seen) == 2 * (g.height - 1)
+    from specgen.backbones.protocol import embed_image
+    for (left1, out1), (left2, _) in zip(seen[::2], seen[1::2]):
+        first = m.visual_logits(out1).argmax(-1)  # (1, W): the first call's most likely drafts (greedy q at T=0.5)
+        want = torch.cat([left1[:, :1], embed_image(m, first[:, :-1])], 1)
+        assert torch.allclose(left2, want)
+
+
+def test_siblings_judge_the_token_after_a_change_in_the_same_pass_and_keep_every_image_its_own():
+    """siblings=k: the alternatives fed with a pass get the states of the sequence with the alternative in place
+    (fixed batch: `SpecState.target_pass`; the stream: `RaggedCache` rows), so greedy output stays AR's; sampled
+    images hit (a first change draws a fed alternative) and each image keeps its batch-1 tokens and passes in a
+    fixed batch and in continuous batching; with no hit the tokens and passes are those without siblings."""
+    m = tiny(True, codes=8, grid=6, sharpen=3.0)  # a spread p: changes often draw the proposal's runner-up
+    prompts = PROMPTS + ["a green diamond", "two red circles", "a cross"]
+    p = m.prompts(prompts)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, siblings=3)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    for slots in (None, 2):
+        out, _ = ssd.generate(m, p, noisy_drafter(m), temperature=0, slots=slots, **kw)
+        assert torch.equal(out, ref)
+    alone = [ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), **kw) for i in range(6)]
+    assert sum(float(st1["sibling_hits"][0]) for _, st1 in alone) > 0
+    for slots in (None, 3):
+        batch, stb = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), slots=slots, **kw)
+        for i, (one, st1) in enumerate(alone):
+            assert torch.equal(batch[i], one[0]) and stb["image_passes"][i] == st1["nfe"]
+    off = dict(kw, siblings=0)
+    monkey = ssd.CarryWindow._sibling
+    try:  # alternatives fed but never used: nothing changes
+        ssd.CarryWindow._sibling = lambda self, *a: 0
+        fed, stf = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), **kw)
+    finally:
+        ssd.CarryWindow._sibling = monkey
+    plain, stp = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(6)), **off)
+    assert torch.equal(fed, plain) and torch.equal(stf["image_passes"], stp["image_passes"])
+    with pytest.raises(ValueError, match="siblings=2 .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, siblings=2)
+    with pytest.raises(ValueError, match="siblings"):
+        ssd.generate(m, p, noisy_drafter(m), carry=True, siblings=-1)
+
+
+def test_sibling_states_are_the_states_of_the_sequence_with_the_alternative_in_place():
+    """SpecState.target_pass(end, siblings): each alternative's state is the state a forward of the sequence with
+    that alternative at its slot gives there; the pass's own states and cache are those of a pass without them."""
+    from specgen.decoding.state import SpecState
+
+    m = tiny(True, grid=5)
+    p = m.prompts(PROMPTS[:2])
+    states = []
+    for alt in (None, True):
+        st = SpecState(m, p, 3.0, 1.0, None, None)
+        st.target_pass(st.g.prefix_len)
+        g = st.g
+        cols = g.position(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2]))
+        codes = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        st.set_tokens(cols, codes)
+        end = int(cols[-1]) + 1
+        sib = (cols[None, :2].expand(2, -1).clone(), torch.tensor([[7, 8], [9, 10]])) if alt else None
+        out = st.target_pass(end, sib)
+        states.append((st.hid[:, torch.arange(g.prefix_len, end)].clone(), out, st.cached, st.cache.get_seq_length()))
+    (h0, none, c0, n0), (h1, sib_states, c1, n1) = states
+    assert none is None and c0 == c1 == n0 == n1
+    torch.testing.assert_close(h1, h0, rtol=1e-5, atol=1e-5)
+    for b, alts in enumerate(([7, 8], [9, 10])):
+        for j, a in enumerate(alts):
+            st = SpecState(m, p, 3.0, 1.0, None, None)
+            st.target_pass(st.g.prefix_len)
+            codes = torch.tensor([[1, 2, 3], [4, 5, 6]])
+            codes[b, j] = a
+            st.set_tokens(cols, codes)
+            st.target_pass(int(cols[j]) + 1)
+            rows = torch.tensor([b, b + 2])
+            torch.testing.assert_close(sib_states[rows, j], st.hid[rows, int(cols[j])], rtol=1e-5, atol=1e-5)

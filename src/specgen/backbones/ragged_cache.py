@@ -90,13 +90,15 @@ class RaggedCache(Cache):
         self.write_at = torch.where(slots < 0, self.length, slots)
         self.visible = int(slots.max()) + 1 if slots.numel() and int(slots.max()) >= 0 else 1
 
-    def mask(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def mask(self, slots: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Additive attention mask (R, 1, q, visible) for the tokens at `slots` (R, q) of the last `feed`: a token
         sees its row's slots up to its own; padding sees slot 0 only (its output is discarded; a row of -inf would
-        give NaNs)."""
+        give NaNs). `positions` (R, q; default: the slots): a token written at a slot past its position (an
+        alternative token, fed beside the token at its position) sees the slots below its position and its own."""
         keys = torch.arange(self.visible, device=slots.device)
         own = slots.clamp_min(0)[..., None]  # (R, q, 1)
-        allowed = keys <= own
+        below = own if positions is None else positions[..., None]
+        allowed = (keys < below) | (keys == own)
         allowed = torch.where((slots < 0)[..., None], keys == 0, allowed)
         out = torch.zeros(allowed.shape, dtype=dtype, device=slots.device)
         return out.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

@@ -88,10 +88,14 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
     prev = st.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
-    if left_draft == "above":
+    if left_draft in ("above", "refine"):
         left = torch.cat([prev[:, None], st.seq[rep, above[:, :-1]]], 1)  # (S', W): x_{r,c-1} guessed as x_{r-1,c-1}
         q = st.dist(drafter.down_column(trunk, hidden, st.embed(left)), draft_temperature)  # (S, W, V)
         st.draft_calls += 1
+        if left_draft == "refine":  # once more, each left neighbour the first call's most likely draft
+            left = torch.cat([prev[:, None], q[:, :-1].argmax(-1).repeat(st.reps, 1)], 1)
+            q = st.dist(drafter.down_column(trunk, hidden, st.embed(left)), draft_temperature)
+            st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
     for c in range(g.width):
@@ -131,6 +135,11 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
     expect_int("redraft", rule.redraft, 0)
+    expect_int("siblings", rule.siblings, 0)
+    if rule.siblings and not carry:
+        raise ValueError(f"siblings={rule.siblings} judges the token after a pass's first change in the same pass and "
+                         f"needs carry=true (without carry, every column is judged each pass); set siblings=0 or "
+                         f"carry=true")
     if rule.redraft and not carry:
         raise ValueError(f"redraft={rule.redraft} re-drafts tokens carried to the next pass and needs carry=true "
                          f"(the paper's rule keeps no carried tokens); set redraft=0 or carry=true")
@@ -149,8 +158,9 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         expect_float("typical_delta", rule.typical_delta, 0.0)
     if rule.draft_temperature is not None:
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
-    if rule.left_draft not in ("sequential", "above"):
-        raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential or above")
+    if rule.left_draft not in ("sequential", "above", "refine"):
+        raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential, above or "
+                         f"refine")
 
 
 @torch.no_grad()
@@ -161,7 +171,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
              max_row_passes: int | None = None, second_row_wait: int | None = None,
              acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3,
-             left_draft: str = "sequential"):
+             left_draft: str = "sequential", siblings: int = 0):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
@@ -188,6 +198,10 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     column's left neighbour standing in for that neighbour's draft (fewer drafter calls, the drafts agree less with
     each other; lossless either way: verification divides by the q each draft was drawn from); a drafter without left
     context drafts a row in one call whatever this says;
+    `siblings` (carry only, beyond the paper): for each image's first this many window tokens, the pass also feeds the
+    proposal's most likely other token at the same position; when a pass's first change draws one of them, the token
+    after the change is judged in the same pass from that alternative's state, by the rule the next pass would apply
+    (0: off; `CarryWindow.sibling_inputs`);
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -197,7 +211,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     rule = CarryRule(rounds=rounds, max_lead=max_lead, max_window_rows=max_window_rows,
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
                      max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
-                     typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft)
+                     typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft,
+                     siblings=siblings)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)

@@ -43,6 +43,7 @@ class _Image:
         self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
         self.drafter, self.vertical = drafter, vertical
         self.flush = 0
+        self.siblings = None  # the alternatives fed with the image's next pass (`CarryWindow.sibling_inputs`)
 
     def next_pass(self) -> int | None:
         """Draft the rows that are due and return the slot the image's next pass feeds up to, or None when the image
@@ -62,12 +63,14 @@ class _Image:
             if st.cached < end:
                 if not (win.next_row < H).any():
                     self.flush += 1
+                self.siblings = win.sibling_inputs()
                 return end
             win.judge(self.accept_map, self.rounds_used)
 
-    def after_pass(self) -> None:
+    def after_pass(self, states: torch.Tensor | None) -> None:
+        """Judge the window after a pass; `states` (reps, k, D): the states of the alternatives it fed."""
         if self.win.pos.numel():  # not after the prefill: nothing is drafted yet
-            self.win.judge(self.accept_map, self.rounds_used)
+            self.win.judge(self.accept_map, self.rounds_used, self.siblings, states)
 
 
 @torch.no_grad()
@@ -89,7 +92,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
     reps = 2 if cfg_scale != 1.0 else 1
     g = backbone.grid.at(prompts.rows(reps == 2).length)
     S = min(slots, N)
-    cache = new_cache(S * reps, g.position(g.height, 0))
+    cache = new_cache(S * reps, g.position(g.height, 0) + rule.siblings)  # alternatives go past a row's pass end
     all_rows = torch.arange(S * reps, device=backbone.device)
     queue = iter(range(N))
     running: list[_Image | None] = [None] * S
@@ -112,20 +115,31 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
         if not feeding:
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
+        alts = [running[s].siblings if inp[0] >= g.prefix_len else None for s, inp in zip(feeding, inputs)]
         q = max(emb.shape[1] for _, emb, _ in inputs)
+        k = max((a[0].shape[1] for a in alts if a is not None), default=0)
         # every cache row takes part (an idle slot's rows are padding): no row subsets to gather per layer
-        at = torch.full((S * reps, q), -1, dtype=torch.long, device=backbone.device)
-        embeds = inputs[0][1].new_zeros(S * reps, q, inputs[0][1].shape[-1])
-        for s, (_, emb, pos) in zip(feeding, inputs):
+        at = torch.full((S * reps, q + k), -1, dtype=torch.long, device=backbone.device)  # where each token is written
+        embeds = inputs[0][1].new_zeros(S * reps, q + k, inputs[0][1].shape[-1])
+        for s, (_, emb, pos), alt in zip(feeding, inputs, alts):
             at[s::S, :pos.numel()] = pos  # the slot's rows: s, s + S (its CFG row)
             embeds[s::S, :pos.numel()] = emb
+            if alt is not None:  # written past the pass's end (overwritten before any later token sees them)
+                n_alt = alt[0].shape[1]
+                at[s::S, q:q + n_alt] = ends[s] + torch.arange(n_alt, device=at.device)
+                embeds[s::S, q:q + n_alt] = running[s].st.embed(alt[1].repeat(reps, 1))
+        positions = at.clone()
+        for s, alt in zip(feeding, alts):
+            if alt is not None:
+                positions[s::S, q:q + alt[0].shape[1]] = alt[0]
         cache.feed(all_rows, at)
-        hidden = backbone.forward_embeds(embeds, at.clamp_min(0), cache, cache.mask(at, embeds.dtype))
+        hidden = backbone.forward_embeds(embeds, positions.clamp_min(0), cache,
+                                         cache.mask(at, embeds.dtype, positions.clamp_min(0)))
         nfe += 1
-        for s, (start, _, pos) in zip(feeding, inputs):
+        for s, (start, _, pos), alt in zip(feeding, inputs, alts):
             img = running[s]
             img.st.pass_done(start, hidden[s::S, :pos.numel()])
-            img.after_pass()
+            img.after_pass(None if alt is None else hidden[s::S, q:q + alt[0].shape[1]])
             ends[s] = img.next_pass()
     return _collect([done[i] for i in range(N)], nfe, S)
 

@@ -27,7 +27,9 @@ class CarryRule:
     p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else redrawn from p) or "typical_carried" (fresh drafts
     speculative, carried tokens typical);
     left_draft: what a down draft's left neighbour is ("sequential": the previous column's draft; "above": the token
-    above that neighbour, every column in one drafter call)."""
+    above that neighbour, every column in one drafter call);
+    siblings: window positions, from an image's first on, whose best alternative token is fed with each pass (0: none;
+    see `CarryWindow.sibling_inputs`)."""
 
     rounds: int
     max_lead: int | None
@@ -41,6 +43,7 @@ class CarryRule:
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
     left_draft: str = "sequential"
+    siblings: int = 0
 
 
 class CarryWindow:
@@ -73,7 +76,7 @@ class CarryWindow:
         # of each changed, tokens finalised, and passes whose first change fell on a fresh draft
         self.counts = {k: torch.zeros(B, device=dev) for k in
                        ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed",
-                        "unchecked", "single", "after", "after_changed")}
+                        "unchecked", "single", "after", "after_changed", "sibling_hits")}
         # cascades: per image, tokens judged and changed by their distance from the window's first token (the one
         # after the last pass's first change), fresh [0] and carried [1]; distances from 2W on share the last bin
         self.by_distance = torch.zeros(B, 2, 2, 2 * g.width, device=dev)  # (B, fresh/carried, judged/changed, d)
@@ -142,16 +145,46 @@ class CarryWindow:
 
     def step(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
         """One target pass over the union window: accept or correct each live token of the images taking part."""
-        self.st.target_pass(self.pass_end())
-        self.judge(accept_map, rounds_used)
+        siblings = self.sibling_inputs()
+        states = self.st.target_pass(self.pass_end(), siblings)
+        self.judge(accept_map, rounds_used, siblings, states)
+
+    def sibling_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Beyond the paper (`siblings` > 0): the alternatives fed with the next pass, slots (B, k) and tokens (B, k),
+        or None. Most passes end at a change: the token after it was judged given the replaced token and mostly
+        changes in the next pass, which then finalises only it. For each of an image's first k window tokens, the
+        pass also feeds its proposal's most likely other token at the same position, seeing only the tokens before
+        it. When the pass's first change draws that token, the alternative's state is the state after the change:
+        the token after it is judged in the same pass, by the rule the next pass would apply (a carried token
+        against the last p), and the pass finalises one more token. Columns no image uses are dropped; an image
+        with fewer window tokens repeats its window's last slot with its current token (never a hit: a change
+        draws another token)."""
+        k = self.rule.siblings
+        if not k or self.pos.numel() < 2:
+            return None
+        pos, B = self.pos, self.st.B
+        n, rows = pos.numel(), torch.arange(B, device=pos.device)[:, None]
+        idx = torch.searchsorted(pos, self.final_upto)[:, None] + torch.arange(k, device=pos.device)  # (B, k)
+        safe = idx.clamp_max(n - 2)
+        valid = (idx <= n - 2) & (pos[safe + 1] == pos[safe] + 1) & (pos[safe] + 1 < self.drafted_upto[:, None])
+        keep = valid.any(0)
+        if not keep.any():
+            return None
+        cur = self.st.visual(pos)
+        prop = self.prop[rows, safe].scatter(-1, cur[rows, safe][..., None], -1.0)  # the current token left out
+        slots = torch.where(valid, pos[safe], pos[-1])
+        tokens = torch.where(valid, prop.argmax(-1), cur[:, -1:])
+        return slots[:, keep], tokens[:, keep]
 
     def pass_end(self) -> int:
         """The slot a pass over the window feeds up to (exclusive): the window's last token is conditioned on,
         never fed."""
         return int(self.pos[-1])
 
-    def judge(self, accept_map: torch.Tensor, rounds_used: torch.Tensor) -> None:
-        """After the pass: accept or correct each live token of the images taking part, move their windows on."""
+    def judge(self, accept_map: torch.Tensor, rounds_used: torch.Tensor,
+              siblings: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None) -> None:
+        """After the pass: accept or correct each live token of the images taking part, move their windows on.
+        `siblings` / `states`: the alternatives fed with the pass and their states (`sibling_inputs`)."""
         st, g, pos = self.st, self.st.g, self.pos
         # its next row due but not drafted (held back by max_lead, or horizontal rows waiting for the batch): the
         # image waits without a pass, as if its next row came at once, so its draws stay its own
@@ -168,8 +201,10 @@ class CarryWindow:
             new[b, own] = nb[0]
             changed = nb[0] != cur[b, own]
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
-            self.final_upto[b] = pos[own[first]] + 1  # final through the first change
             self._count(b, own, changed, first)
+            if states is not None and changed.any():  # the token after the change, judged in this pass
+                first += self._sibling(b, own, first, new, p, siblings, states)
+            self.final_upto[b] = pos[own[first]] + 1  # final through the first change (and a sibling's judgement)
             kept = self._cap_rows(b, own, int(front[b]))
             if self.rule.redraft and changed.any() and not kept:
                 redrafts.append(self._redraft(b, own, first, new[b]))
@@ -203,6 +238,36 @@ class CarryWindow:
         spec, spec_ok = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)  # "typical_carried"
         fresh = self.fresh[b:b + 1, own]
         return torch.where(fresh, spec, typical), torch.where(fresh, spec_ok, ok)
+
+    def _sibling(self, b: int, own: torch.Tensor, first: int, new: torch.Tensor, p: torch.Tensor,
+                 siblings: tuple[torch.Tensor, torch.Tensor], states: torch.Tensor) -> int:
+        """Image b's first change (window slot own[first]) drew a token fed as an alternative: judge the token after
+        it against the alternative's state (which replaces the stale state at the changed slot), as the next pass
+        would judge it (a carried token, its proposal this pass's p). Writes it into `new`; returns 1, or 0 when no
+        alternative matched."""
+        st, pos = self.st, self.pos
+        c = int(pos[own[first]])
+        slots, tokens = siblings
+        match = ((slots[b] == c) & (tokens[b] == new[b, own[first]])).nonzero().flatten()
+        if not match.numel() or first + 1 >= own.numel() or int(pos[own[first + 1]]) != c + 1:
+            return 0
+        rep = torch.tensor([b + k * st.B for k in range(st.reps)], device=pos.device)
+        h = states[rep, int(match[0])]  # (reps, D): the state after the drawn token
+        st.hid.put(rep, c, h)  # drafts and re-drafts read the state after the final token
+        nxt, gens, rule = own[first + 1:first + 2], st.image_gens([b]), self.rule
+        target = st.dist(h)[:, None]  # (1, 1, V)
+        tok = new[b:b + 1, nxt]
+        if rule.acceptance == "speculative":
+            out, _ = accept_or_resample(tok, target, p[b:b + 1, nxt], gens)
+        else:  # a carried token: typical under both typical rules
+            out, _ = typical_accept(tok, target, rule.typical_epsilon, rule.typical_delta, gens)
+        new[b, nxt] = out[0]
+        c_ = self.counts
+        c_["sibling_hits"][b] += 1
+        c_["finalised"][b] += 1
+        c_["carried"][b] += 1
+        c_["carried_changed"][b] += (out[0] != tok[0]).float().sum()
+        return 1
 
     def _cap_rows(self, b: int, own: torch.Tensor, front: int) -> int:
         """`max_row_passes`: count the pass for image b's frontier row (`front`: the row of its first token not final
@@ -286,4 +351,5 @@ class CarryWindow:
                 "single_token_passes": div(c["single"], self.passes.float()),
                 "after_change_rate": div(c["after_changed"], c["after"]),
                 "change_by_distance": self.by_distance.clone(),
-                "unchecked_tokens": c["unchecked"].clone()}
+                "unchecked_tokens": c["unchecked"].clone(),
+                "sibling_hits": div(c["sibling_hits"], self.passes.float())}

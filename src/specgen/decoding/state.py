@@ -63,6 +63,12 @@ class StateWindow:
         self.base = self.floor = 0
         self.peak_slots = 0  # the most slots held at once (a memory bound tests check)
 
+    def put(self, rows: torch.Tensor, slot: int, states: torch.Tensor) -> None:
+        """Overwrite the state at `slot` (already computed) of rows `rows` (R,) with `states` (R, D)."""
+        if not self.base <= slot < self.base + self.buf.shape[1]:
+            raise RuntimeError(f"slot {slot} is not held (slots [{self.base}, {self.base + self.buf.shape[1]}))")
+        self.buf[rows, slot - self.base] = states.to(self.buf.dtype)
+
     def release(self, slot: int) -> None:
         """States below `slot` are no longer needed."""
         self.floor = max(self.floor, int(slot))
@@ -131,13 +137,32 @@ class SpecState:
         """Input embeddings of image tokens (any shape)."""
         return embed_image(self.bb, tokens)
 
-    def target_pass(self, end: int) -> None:
-        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive)."""
+    def target_pass(self, end: int, siblings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive).
+        `siblings` (slots (B, k), tokens (B, k)): alternative tokens fed in the same pass, each at its slot's position
+        and seeing only the tokens before that slot (nothing sees them; their cache entries are dropped): returns
+        their states (B', k, D), the states after each alternative, or None when no pass ran or none was asked."""
         if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
-            return
+            return None
         self.bb.rollback(self.cache, self.cached)
         start, embeds, pos = self.pass_inputs(end)
-        self.pass_done(start, self.bb.forward_embeds(embeds, pos, self.cache))
+        if siblings is None or start < self.g.prefix_len:
+            self.pass_done(start, self.bb.forward_embeds(embeds, pos, self.cache))
+            return None
+        slots, tokens = (t.repeat(self.reps, 1) for t in siblings)  # (B', k)
+        n, k = pos.numel(), slots.shape[1]
+        keys = torch.arange(start + n + k, device=pos.device)
+        main = (keys[None, :] <= pos[:, None]).expand(slots.shape[0], -1, -1)  # (B', n, keys): causal
+        own = keys[None, None, :] == (start + n + torch.arange(k, device=pos.device))[None, :, None]
+        alt = (keys[None, None, :] < slots[..., None]) | own  # (B', k, keys): the slots before its own, and itself
+        allowed = torch.cat([main, alt], 1)
+        mask = torch.zeros(allowed.shape, dtype=self.bb.dtype, device=pos.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(self.bb.dtype).min)[:, None]
+        hidden = self.bb.forward_embeds(torch.cat([embeds, self.embed(tokens)], 1),
+                                        torch.cat([pos.expand(slots.shape[0], -1), slots], 1), self.cache, mask)
+        self.bb.rollback(self.cache, start + n)  # the alternatives' entries: no later token may see them
+        self.pass_done(start, hidden[:, :n])
+        return hidden[:, n:]
 
     def pass_inputs(self, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """What a pass up to `end` feeds: (first slot, embeddings (B', n, D), slots (n,)), from the last valid cache

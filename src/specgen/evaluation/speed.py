@@ -80,7 +80,8 @@ def measure_interleaved(backbone, decode_fns: dict, prompts: list[str], batch_si
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     ids = [backbone.prompts(b) for b in batches]
     for fn in decode_fns.values():  # warm-up
-        fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))
+        with torch.inference_mode():
+            fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))
     acc = {name: {"wall": 0.0, "nfe": [], "drafts": [], "extra": {}, "peak": []} for name in decode_fns}
     n = 0
     for r in range(repeats):
@@ -92,7 +93,8 @@ def measure_interleaved(backbone, decode_fns: dict, prompts: list[str], batch_si
                 _reset_peak(device)
                 _sync(device)
                 t0 = time.perf_counter()
-                _, stats = fn(backbone, x, rngs=rngs)
+                with torch.inference_mode():  # every strategy alike: no autograd bookkeeping on any tensor
+                    _, stats = fn(backbone, x, rngs=rngs)
                 _sync(device)
                 a["wall"] += time.perf_counter() - t0
                 a["peak"].append(_peak_mb(device))
@@ -118,14 +120,16 @@ def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats
     (the stream's passes are about their sum over slots x occupancy)."""
     device = backbone.device
     ids = backbone.prompts(prompts)
-    decode_fn(backbone, ids[:slots], rngs=make_rngs(range(min(slots, len(prompts))), device), slots=slots)  # warm-up
+    with torch.inference_mode():  # warm-up
+        decode_fn(backbone, ids[:slots], rngs=make_rngs(range(min(slots, len(prompts))), device), slots=slots)
     _reset_peak(device)
     wall, nfe, drafts, extra, per_image = 0.0, [], [], {}, []
     for r in range(repeats):
         rngs = make_rngs([seed + 1000 * r + i for i in range(len(prompts))], device)
         _sync(device)
         t0 = time.perf_counter()
-        _, stats = decode_fn(backbone, ids, rngs=rngs, slots=slots)
+        with torch.inference_mode():
+            _, stats = decode_fn(backbone, ids, rngs=rngs, slots=slots)
         _sync(device)
         wall += time.perf_counter() - t0
         nfe.append(stats["nfe"] * slots / len(prompts))
