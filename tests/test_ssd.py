@@ -210,8 +210,8 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     drafted in one call (`left_draft="above"`), `ssd_siblings` the default's with alternatives fed for the token after
     a change (`siblings=2`). `broken` (every draft accepted: samples from the drafter) and
     `ssd_typical` (typical acceptance keeps plausible drafts: not lossless) show that the test has power."""
-    if decoder == "ssd_siblings":  # 2 codes: a change always draws the fed alternative; 3x3 without end-of-row tokens
-        m = tiny(False, codes=2, grid=3, sharpen=3.0)  # (a change at a row's end has the next row's first token after it)
+    if decoder == "ssd_siblings":  # 2 codes: a change always draws the fed alternative; 3x3 without end-of-row
+        m = tiny(False, codes=2, grid=3, sharpen=3.0)  # tokens (after a row's last token: the next row's first)
     else:
         m = tiny(True, codes=4, grid=2, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)

@@ -83,7 +83,8 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
                      left_draft: str = "sequential") -> tuple[torch.Tensor, torch.Tensor]:
     """Down drafts with left context: the row trunk once, then column by column from the previous column's draft
     (`left_draft="sequential"`), or every column in one call with the token above its left neighbour standing in
-    for that neighbour's draft (`"above"`; column 0's left neighbour is known either way)."""
+    for that neighbour's draft (`"above"`; column 0's left neighbour is known either way), or that call followed by
+    a second one whose left neighbours are the first call's most likely drafts (`"refine"`)."""
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
@@ -196,8 +197,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     `left_draft` (drafters with left context; beyond the paper): "sequential" drafts a down row column by column,
     each from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each
     column's left neighbour standing in for that neighbour's draft (fewer drafter calls, the drafts agree less with
-    each other; lossless either way: verification divides by the q each draft was drawn from); a drafter without left
-    context drafts a row in one call whatever this says;
+    each other; "refine" drafts it twice in one call each, the second time with each left neighbour the first call's
+    most likely draft; lossless every way: verification divides by the q each draft was drawn from); a drafter
+    without left context drafts a row in one call whatever this says;
     `siblings` (carry only, beyond the paper): for each image's first this many window tokens, the pass also feeds the
     proposal's most likely other token at the same position; when a pass's first change draws one of them, the token
     after the change is judged in the same pass from that alternative's state, by the rule the next pass would apply

@@ -27,7 +27,7 @@ class CarryRule:
     p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else redrawn from p) or "typical_carried" (fresh drafts
     speculative, carried tokens typical);
     left_draft: what a down draft's left neighbour is ("sequential": the previous column's draft; "above": the token
-    above that neighbour, every column in one drafter call);
+    above that neighbour, every column in one drafter call; "refine": the most likely draft of a first such call);
     siblings: window positions, from an image's first on, whose best alternative token is fed with each pass (0: none;
     see `CarryWindow.sibling_inputs`)."""
 
