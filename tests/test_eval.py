@@ -275,10 +275,12 @@ def test_speed_averages_per_image_statistics_over_images():
     assert res["tokens_per_pass"] == pytest.approx((2 + 1) / 2) and res["nfe"] == 7
 
 
-def test_speed_interleaves_fixed_batch_strategies_batch_by_batch():
+def test_speed_interleaves_fixed_batch_strategies_batch_by_batch(caplog):
     """A machine whose speed changes during the run must not favour one strategy: every batch is decoded by each
     fixed-batch strategy in turn (same seeds), after one warm-up each; a streaming strategy runs after them in one
-    call. Per-strategy results are kept apart and the reference comes first."""
+    call. Per-strategy results are kept apart and the reference comes first; progress is logged per batch."""
+    import logging
+
     import torch
 
     from specgen.evaluation.speed import compare
@@ -297,8 +299,16 @@ def test_speed_interleaves_fixed_batch_strategies_batch_by_batch():
             return None, {"nfe": nfe, "image_passes": torch.full((len(ids),), float(nfe))}
         return decode
 
-    out = compare(Fake(), {"ar": strategy("ar", 16), "ssd": strategy("ssd", 4), "stream": strategy("stream", 4)},
-                  ["a", "b", "c"], batch_sizes=[1, 2], streams=("stream",))
+    with caplog.at_level(logging.INFO, logger="specgen.evaluation.speed"):
+        out = compare(Fake(), {"ar": strategy("ar", 16), "ssd": strategy("ssd", 4),
+                               "stream": strategy("stream", 4)}, ["a", "b", "c"], batch_sizes=[1, 2],
+                      streams=("stream",))
+    progress = [r.getMessage() for r in caplog.records if "batches of" in r.getMessage()]
+    assert [m.split(",")[0] for m in progress] == [
+        "speed at batch 1: 1/3 batches of 3 strategies", "speed at batch 1: 2/3 batches of 3 strategies",
+        "speed at batch 1: 3/3 batches of 3 strategies", "speed at batch 2: 1/2 batches of 2 strategies",
+        "speed at batch 2: 2/2 batches of 2 strategies"]
+    assert progress[2].endswith("about 0 s left")
     at_bs1 = [(name, seed) for name, _, seed, _ in calls[:12]]
     assert at_bs1 == [("ar", 0), ("ssd", 0), ("stream", 0)] + [(n, s) for s in (0, 1, 2) for n in ("ar", "ssd",
                                                                                                     "stream")]

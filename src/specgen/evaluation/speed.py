@@ -83,7 +83,8 @@ def measure_interleaved(backbone, decode_fns: dict, prompts: list[str], batch_si
         with torch.inference_mode():
             fn(backbone, ids[0], rngs=make_rngs(range(len(batches[0])), device))
     acc = {name: {"wall": 0.0, "nfe": [], "drafts": [], "extra": {}, "peak": []} for name in decode_fns}
-    n = 0
+    n, total, start = 0, repeats * len(ids), time.perf_counter()
+    every = max(1, total // 10)  # progress about ten times per call
     for r in range(repeats):
         for b, x in enumerate(ids):
             seeds = [seed + 1000 * r + b * batch_size + i for i in range(len(x))]
@@ -102,6 +103,11 @@ def measure_interleaved(backbone, decode_fns: dict, prompts: list[str], batch_si
                 a["drafts"].append(stats.get("draft_calls", 0))
                 _add_extra(a["extra"], stats, len(x))
             n += len(x)
+            done = r * len(ids) + b + 1
+            if done % every == 0 or done == total:
+                spent = time.perf_counter() - start
+                log.info("speed at batch %d: %d/%d batches of %d strategies, %.0f s, about %.0f s left",
+                         batch_size, done, total, len(decode_fns), spent, spent * (total - done) / done)
     # nfe_ci95: the 95% interval of the mean passes per batch (at batch 1: per image); 0 for a constant count (AR's)
     out = {}
     for name, a in acc.items():
