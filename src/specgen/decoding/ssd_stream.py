@@ -74,6 +74,26 @@ class _Image:
 
 
 @torch.no_grad()
+def _assemble(running: list, ends: list, feeding: list[int], inputs: list, alts: list, S: int, reps: int, q: int):
+    """One pass's inputs over every cache row (an idle slot's rows are padding: no row subsets to gather per layer):
+    where each token is written in the cache (-1: nowhere), its position, and its embedding. A slot's rows are s and
+    s + S (its CFG row); its window fills the first q columns, its alternatives the columns after them."""
+    k = max((a[0].shape[1] for a in alts if a is not None), default=0)
+    ref = inputs[0][1]
+    at = torch.full((S * reps, q + k), -1, dtype=torch.long, device=ref.device)
+    positions = at.clone()
+    embeds = ref.new_zeros(S * reps, q + k, ref.shape[-1])
+    for s, (_, emb, pos), alt in zip(feeding, inputs, alts):
+        at[s::S, :pos.numel()] = positions[s::S, :pos.numel()] = pos
+        embeds[s::S, :pos.numel()] = emb
+        if alt is not None:  # written past the pass's end (overwritten before any later token sees them)
+            n_alt = alt[0].shape[1]
+            at[s::S, q:q + n_alt] = ends[s] + torch.arange(n_alt, device=at.device)
+            positions[s::S, q:q + n_alt] = alt[0]
+            embeds[s::S, q:q + n_alt] = running[s].st.embed(alt[1].repeat(reps, 1))
+    return at, positions, embeds
+
+
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, rule: CarryRule,
                     cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). Each image
@@ -117,21 +137,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
         alts = [running[s].siblings if inp[0] >= g.prefix_len else None for s, inp in zip(feeding, inputs)]
         q = max(emb.shape[1] for _, emb, _ in inputs)
-        k = max((a[0].shape[1] for a in alts if a is not None), default=0)
-        # every cache row takes part (an idle slot's rows are padding): no row subsets to gather per layer
-        at = torch.full((S * reps, q + k), -1, dtype=torch.long, device=backbone.device)  # where each token is written
-        embeds = inputs[0][1].new_zeros(S * reps, q + k, inputs[0][1].shape[-1])
-        for s, (_, emb, pos), alt in zip(feeding, inputs, alts):
-            at[s::S, :pos.numel()] = pos  # the slot's rows: s, s + S (its CFG row)
-            embeds[s::S, :pos.numel()] = emb
-            if alt is not None:  # written past the pass's end (overwritten before any later token sees them)
-                n_alt = alt[0].shape[1]
-                at[s::S, q:q + n_alt] = ends[s] + torch.arange(n_alt, device=at.device)
-                embeds[s::S, q:q + n_alt] = running[s].st.embed(alt[1].repeat(reps, 1))
-        positions = at.clone()
-        for s, alt in zip(feeding, alts):
-            if alt is not None:
-                positions[s::S, q:q + alt[0].shape[1]] = alt[0]
+        at, positions, embeds = _assemble(running, ends, feeding, inputs, alts, S, reps, q)
         cache.feed(all_rows, at)
         hidden = backbone.forward_embeds(embeds, positions.clamp_min(0), cache,
                                          cache.mask(at, embeds.dtype, positions.clamp_min(0)))
