@@ -142,9 +142,13 @@ class ShapesLlama(nn.Module):
         return self.embed(codes + self.grid.visual_start)
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Pre-norm states (..., D) -> logits over the visual codes (..., num_visual)."""
+        """Pre-norm states (..., D) -> logits over the visual codes (..., num_visual): the final norm, then only the
+        output rows of the visual codes (a contiguous slice of the projection, not the whole vocabulary)."""
         g = self.grid
-        return self.head(hidden)[..., g.visual_start: g.visual_start + g.num_visual]
+        rows = self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
+        norm = self.final_norm  # its computation in one fused call (drafting calls this per drafted column)
+        normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
+        return torch.nn.functional.linear(norm.weight * normed.to(hidden.dtype), rows)
 
     @property
     def hidden_size(self) -> int:

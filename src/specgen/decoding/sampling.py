@@ -37,6 +37,8 @@ def uniform(shape: tuple[int, ...], rngs: list[torch.Generator] | None, device) 
         return torch.rand(shape, device=device)
     if len(rngs) != shape[0]:
         raise ValueError(f"need one RNG per row: {shape[0]} rows, {len(rngs)} rngs")
+    if len(rngs) == 1:  # the same draws as the stack below, without its copy (batch 1 draws every drafted token)
+        return torch.rand(shape[1:], generator=rngs[0], device=device).unsqueeze(0)
     return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in rngs])
 
 

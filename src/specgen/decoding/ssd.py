@@ -99,15 +99,26 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
             st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
+    table = left_table(st, drafter)  # (V, width): each visual code's left-neighbour features
+    left, gens = drafter.left_in(st.embed(prev)), st.image_gens(images)  # column 0's: a forced token, or a code
     for c in range(g.width):
-        state = drafter.down_column(trunk[:, c], hidden[:, c], st.embed(prev))  # (S', D)
+        state = drafter.down_step(trunk[:, c], hidden[:, c], left)  # (S', D)
         q = st.dist(state, draft_temperature)  # (S, V)
-        tok = sample_probs(q, st.image_gens(images))
+        tok = sample_probs(q, gens)
         codes.append(tok)
         qs.append(q)
-        prev = tok.repeat(st.reps)
+        left = table[tok].repeat(st.reps, 1)
     st.draft_calls += g.width
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
+
+
+def left_table(st: SpecState, drafter) -> torch.Tensor:
+    """(V, width) `drafter.left_in` of every visual code's embedding, computed once per generation (`st.memo`): a row
+    drafted column by column looks its drafts' left-neighbour features up instead of computing them per column."""
+    if "left_table" not in st.memo:
+        codes = torch.arange(st.g.num_visual, device=st.seq.device)
+        st.memo["left_table"] = drafter.left_in(st.embed(codes))
+    return st.memo["left_table"]
 
 
 def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperature: float,

@@ -298,8 +298,10 @@ class CarryWindow:
         slots; returns (b, slots, q) for the proposals."""
         st, g, pos = self.st, self.st.g, self.pos
         at = int(pos[own[first]])
-        row = g.row_col(pos[own[first]])[0]
-        tail = own[first + 1: first + 1 + self.rule.redraft] if int(row) < self.redraft_rows else own[:0]
+        row = g.row_col(at)[0]
+        if row >= self.redraft_rows:  # no re-drafts in this row (checked on ints first: most passes end here)
+            return b, own[:0], self.prop.new_zeros(0, g.num_visual)
+        tail = own[first + 1: first + 1 + self.rule.redraft]
         tail = tail[g.row_col(pos[tail])[0] == row]  # the changed token's row only
         if not tail.numel():
             return b, tail, self.prop.new_zeros(0, g.num_visual)

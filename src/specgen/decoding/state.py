@@ -132,6 +132,7 @@ class SpecState:
         self.cached = 0  # cache positions [0, cached) hold the current tokens
         self.nfe = self.draft_calls = 0
         self.fed = 0  # image positions fed to the target after the prefill (each pass feeds them to every image)
+        self.memo: dict = {}  # values a decoder computes once per generation (a drafter's lookup tables)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings of image tokens (any shape)."""

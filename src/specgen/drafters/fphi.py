@@ -145,9 +145,20 @@ class FPhi(nn.Module):
 
     def down_column(self, trunk: torch.Tensor, hidden: torch.Tensor, left_embed: torch.Tensor) -> torch.Tensor:
         """Trunk features, the state above and the left neighbour's embedding -> the drafted pre-norm state."""
-        net = self.nets["down"]
-        z = self.left_block(trunk + self.left_in(left_embed))
-        return hidden + net[-1](net[-2](z))
+        return self.down_step(trunk, hidden, self.left_in(left_embed))
+
+    def down_step(self, trunk: torch.Tensor, hidden: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """`down_column` from the left neighbour's features `left_in(e)` (a decoder drafting a row column by column
+        looks them up in a table of every code's, `left_in` of each code's embedding, instead of computing them per
+        column). The same operations as the modules', called directly: this runs W times per drafted row."""
+        F, net, blk = torch.nn.functional, self.nets["down"], self.left_block
+        x = trunk + left
+        norm, (up, _, down) = blk.norm, blk.mlp
+        y = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        z = x + F.linear(F.silu(F.linear(y, up.weight, up.bias)), down.weight, down.bias)
+        out_norm, out = net[-2], net[-1]
+        z = F.layer_norm(z, out_norm.normalized_shape, out_norm.weight, out_norm.bias, out_norm.eps)
+        return hidden + F.linear(z, out.weight, out.bias)
 
 
 class TokenDrafter(nn.Module):
