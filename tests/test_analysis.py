@@ -60,3 +60,38 @@ def test_context_probe_neighbour_estimate_and_probe_values():
         assert all(abs(losses[f"{c}/t{t}/eps_mse"] - 1) < 0.1 for t in (0, 500, 950))
         assert losses[f"{c}/t0/x0_mse"] < losses[f"{c}/t500/x0_mse"] < losses[f"{c}/t950/x0_mse"]
         assert math.isclose(losses[f"{c}/t500/x0_mse"] * losses["snr/t500"], losses[f"{c}/t500/eps_mse"])
+
+
+def test_sure_accept_terms_and_splits_against_a_hand_computation():
+    from specgen.analysis.sure_accept import position_terms, split_means
+
+    p = torch.tensor([[0.95, 0.05], [0.6, 0.4]])
+    q = torch.tensor([[0.5, 0.5], [0.2, 0.8]])
+    terms = position_terms(p.log(), q.log(), draft_temperature=0.5)
+    cold = torch.tensor([0.04, 0.64]) / 0.68  # q ** (1 / 0.5), normalised
+    expect = {"accept": [0.55, 0.6], "accept_cold": [0.55, float(cold[0]) + 0.4], "accept_argmax": [0.95, 0.4],
+              "ceiling_argmax": [0.95, 0.6], "top1": [1.0, 0.0]}
+    for key, values in expect.items():
+        assert torch.allclose(terms[key], torch.tensor(values), atol=1e-6), key
+    splits = split_means(terms, threshold=0.9)
+    assert splits["sure"]["share"] == 0.5 and splits["sure"]["accept"] == pytest.approx(0.55)
+    assert splits["unsure"]["accept_argmax"] == pytest.approx(0.4)
+    assert splits["all"]["accept"] == pytest.approx(0.575)
+    assert set(split_means(terms, threshold=0.99)["sure"]) == {"share"}  # no sure position: no means
+
+
+def test_sure_accept_runs_from_its_command_line(tmp_path, tiny_exports):
+    from specgen.analysis import sure_accept
+
+    out = tmp_path / "r" / "sure.json"
+    res = sure_accept.main(["--drafter", str(tiny_exports / "fphi"), "--backbone", str(tiny_exports / "ar"),
+                            "--tokenizer", str(tiny_exports / "vq"), "--images", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert res["positions"] == 2 * 15 * 16  # every down position of a 16 x 16 grid
+    shares = [res["splits"][s]["share"] for s in ("sure", "unsure")]
+    assert sum(shares) == pytest.approx(1.0) and res["splits"]["all"]["share"] == 1.0
+    r = res["splits"]["all"]
+    assert 0 < r["accept"] <= 1 and 0 < r["accept_cold"] <= 1
+    assert r["accept_argmax"] <= r["ceiling_argmax"] + 1e-6  # p at q's argmax is at most p's largest probability
+    with pytest.raises(SystemExit):
+        sure_accept.main(["--drafter", "x", "--backbone", "x", "--tokenizer", "x", "--images", "0", "--out", "x"])

@@ -1,0 +1,122 @@
+"""Where do an SSD drafter's down drafts lose acceptance: at positions where the backbone is sure of the next token
+(its guided distribution's largest probability above a threshold, 0.9 by default) or where it is not?
+
+Images are sampled by AR from the backbone on held-out prompts; each image's states are teacher-forced, and the
+drafter drafts every down position from the row above's states (with left context: the teacher's token before
+it), as in validation. Per split (all, sure, unsure) it reports the expected acceptance sum min(p, q) of drafts
+sampled from q at draft temperature 1 and at `--draft-temperature` (SSD drafts colder: configs/decoding/ssd.yaml),
+p at the argmax of q (drafts taken greedily), the ceiling of greedy drafts p(argmax p), and top-1 agreement; p and
+q are CFG-guided.
+
+    python -m specgen.analysis.sure_accept --drafter checkpoints/fphi_accept --backbone checkpoints/ar_shapes \\
+        --tokenizer checkpoints/vq_shapes --images 48 --out logs/sure_accept/fphi_accept.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from specgen.backbones.protocol import embed_image, image_states
+from specgen.decoding import ar
+from specgen.decoding.sampling import guide, make_rngs
+from specgen.evaluation.benchmarks import mixed_prompts
+from specgen.modules.distill_module import DistillModule
+from specgen.utils.checkpoints import atomic_write_text, load_exported
+
+SPLITS = ("all", "sure", "unsure")
+
+
+def position_terms(t_logits: torch.Tensor, d_logits: torch.Tensor, draft_temperature: float) -> dict[str, torch.Tensor]:
+    """Per position, from guided target and draft logits (..., V): the target's largest probability and the
+    acceptance terms (see the module docstring), each (...,)."""
+    p = t_logits.softmax(-1)
+    top = p.max(-1).values
+    return {"max_p": top,
+            "accept": torch.minimum(p, d_logits.softmax(-1)).sum(-1),
+            "accept_cold": torch.minimum(p, (d_logits / draft_temperature).softmax(-1)).sum(-1),
+            "accept_argmax": p.gather(-1, d_logits.argmax(-1, keepdim=True)).squeeze(-1),
+            "ceiling_argmax": top,
+            "top1": (d_logits.argmax(-1) == t_logits.argmax(-1)).float()}
+
+
+def split_means(terms: dict[str, torch.Tensor], threshold: float) -> dict[str, dict[str, float]]:
+    """Mean of every term over all positions, the sure ones (max p > threshold) and the rest; `share`: each split's
+    fraction of the positions (a split with no position has no means)."""
+    sure = terms["max_p"] > threshold
+    masks = {"all": torch.ones_like(sure), "sure": sure, "unsure": ~sure}
+    out = {}
+    for name, m in masks.items():
+        row = {"share": float(m.float().mean())}
+        if m.any():
+            row.update({k: float(v[m].mean()) for k, v in terms.items() if k != "max_p"})
+        out[name] = row
+    return out
+
+
+@torch.inference_mode()
+def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int, cfg_scale: float,
+            draft_temperature: float, threshold: float, seed: int = 0, batch: int = 8) -> dict:
+    """The splits of the drafter's down drafts over `images` AR samples (held-out prompts, per-image seeds)."""
+    module = DistillModule(load_exported(drafter_dir).eval(), backbone_dir, tokenizer_dir, cfg_scale=cfg_scale)
+    module.setup()
+    module.eval()
+    if "down" not in module.net.directions:
+        raise ValueError(f"{drafter_dir} drafts {list(module.net.directions)}: this report needs a down direction")
+    bb = module.backbone
+    prompts = [m["prompt"] for m in mixed_prompts("test", images, seed)]
+    parts: dict[str, list[torch.Tensor]] = {}
+    for i in range(0, images, batch):
+        chunk = prompts[i:i + batch]
+        codes, _ = ar.generate(bb, bb.prompts(chunk), cfg_scale=cfg_scale,
+                               rngs=make_rngs([seed * 100_003 + i + k for k in range(len(chunk))]))
+        states, ids = image_states(bb, bb.prompts(chunk).rows(cfg_scale != 1.0), codes)
+        (pred, target), = module._pairs("down", bb.grid.stride, states.float(), embed_image(bb, ids).float())
+        t, d = module._visual(target), module._visual(pred)
+        if cfg_scale != 1.0:
+            t, d = guide(t, cfg_scale), guide(d, cfg_scale)
+        for k, v in position_terms(t, d, draft_temperature).items():
+            parts.setdefault(k, []).append(v.flatten())
+    terms = {k: torch.cat(v) for k, v in parts.items()}
+    return {"drafter": drafter_dir, "images": images, "positions": int(terms["max_p"].numel()),
+            "threshold": threshold, "draft_temperature": draft_temperature, "cfg_scale": cfg_scale,
+            "splits": split_means(terms, threshold)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--backbone", required=True)
+    ap.add_argument("--tokenizer", required=True)
+    ap.add_argument("--images", type=int, default=48, help="AR samples on held-out prompts")
+    ap.add_argument("--cfg-scale", type=float, default=2.0)
+    ap.add_argument("--draft-temperature", type=float, default=0.5)
+    ap.add_argument("--threshold", type=float, default=0.9, help="'sure': the target's largest probability above this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="json file to write")
+    args = ap.parse_args(argv)
+    if args.images < 1:
+        ap.error(f"--images {args.images}: give at least 1")
+    if args.draft_temperature <= 0 or not 0 < args.threshold < 1:
+        ap.error(f"--draft-temperature {args.draft_temperature} must be > 0 and --threshold {args.threshold} in (0, 1)")
+    out = measure(args.drafter, args.backbone, args.tokenizer, args.images, args.cfg_scale, args.draft_temperature,
+                  args.threshold, args.seed)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(out, indent=2))
+    print(f"{args.drafter}: {out['positions']} down positions, {args.images} images; sure (max p > {args.threshold:g}):"
+          f" {out['splits']['sure']['share']:.3f} of them")
+    print(f"{'split':<8} {'share':>6} {'accept':>7} {f'T={args.draft_temperature:g}':>7} {'argmax':>7} "
+          f"{'ceiling':>8} {'top1':>6}")
+    for name in SPLITS:
+        r = out["splits"][name]
+        if "accept" in r:
+            print(f"{name:<8} {r['share']:>6.3f} {r['accept']:>7.3f} {r['accept_cold']:>7.3f} "
+                  f"{r['accept_argmax']:>7.3f} {r['ceiling_argmax']:>8.3f} {r['top1']:>6.3f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
