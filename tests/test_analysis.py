@@ -67,7 +67,8 @@ def test_sure_accept_terms_and_splits_against_a_hand_computation():
 
     p = torch.tensor([[0.95, 0.05], [0.6, 0.4]])
     q = torch.tensor([[0.5, 0.5], [0.2, 0.8]])
-    terms = position_terms(p.log(), q.log(), draft_temperature=0.5)
+    stacked = lambda x: torch.cat([x.log(), torch.zeros_like(x)])  # noqa: E731  [cond; uncond]: CFG 1 keeps cond
+    terms = position_terms(stacked(p), stacked(q), cfg_scale=1.0, draft_temperature=0.5)
     cold = torch.tensor([0.04, 0.64]) / 0.68  # q ** (1 / 0.5), normalised
     expect = {"accept": [0.55, 0.6], "accept_cold": [0.55, float(cold[0]) + 0.4], "accept_argmax": [0.95, 0.4],
               "ceiling_argmax": [0.95, 0.6], "top1": [1.0, 0.0]}

@@ -23,23 +23,25 @@ from specgen.backbones.protocol import embed_image, image_states
 from specgen.decoding import ar
 from specgen.decoding.sampling import guide, make_rngs
 from specgen.evaluation.benchmarks import mixed_prompts
-from specgen.modules.distill_module import DistillModule
+from specgen.modules.distill_module import DistillModule, guided_terms
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 
 SPLITS = ("all", "sure", "unsure")
 
 
-def position_terms(t_logits: torch.Tensor, d_logits: torch.Tensor, draft_temperature: float) -> dict[str, torch.Tensor]:
-    """Per position, from guided target and draft logits (..., V): the target's largest probability and the
-    acceptance terms (see the module docstring), each (...,)."""
-    p = t_logits.softmax(-1)
-    top = p.max(-1).values
-    return {"max_p": top,
-            "accept": torch.minimum(p, d_logits.softmax(-1)).sum(-1),
-            "accept_cold": torch.minimum(p, (d_logits / draft_temperature).softmax(-1)).sum(-1),
-            "accept_argmax": p.gather(-1, d_logits.argmax(-1, keepdim=True)).squeeze(-1),
-            "ceiling_argmax": top,
-            "top1": (d_logits.argmax(-1) == t_logits.argmax(-1)).float()}
+def position_terms(t_logits: torch.Tensor, d_logits: torch.Tensor, cfg_scale: float,
+                   draft_temperature: float) -> dict[str, torch.Tensor]:
+    """Per position, from target and draft logits stacked [cond; uncond] as (2B, ..., V) (the layout of
+    `distill_module.guided_terms`, which computes the acceptance terms): the guided target's largest probability and
+    the terms of the module docstring, each (B, ...). Guidance is linear in the logits, so the drafts at a
+    temperature are those of the draft logits divided by it."""
+    hot, cold = guided_terms(t_logits, d_logits, cfg_scale), guided_terms(t_logits, d_logits / draft_temperature,
+                                                                          cfg_scale)
+    t, d = guide(t_logits, cfg_scale), guide(d_logits, cfg_scale)
+    top = t.softmax(-1).max(-1).values
+    return {"max_p": top, "accept": hot["accept"], "accept_cold": cold["accept"],
+            "accept_argmax": hot["accept_argmax"], "ceiling_argmax": top,
+            "top1": (d.argmax(-1) == t.argmax(-1)).float()}
 
 
 def split_means(terms: dict[str, torch.Tensor], threshold: float) -> dict[str, dict[str, float]]:
@@ -72,12 +74,10 @@ def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int
         chunk = prompts[i:i + batch]
         codes, _ = ar.generate(bb, bb.prompts(chunk), cfg_scale=cfg_scale,
                                rngs=make_rngs([seed * 100_003 + i + k for k in range(len(chunk))]))
-        states, ids = image_states(bb, bb.prompts(chunk).rows(cfg_scale != 1.0), codes)
+        states, ids = image_states(bb, bb.prompts(chunk).rows(True), codes)  # [cond; uncond] (CFG 1: cond only)
         (pred, target), = module._pairs("down", bb.grid.stride, states.float(), embed_image(bb, ids).float())
-        t, d = module._visual(target), module._visual(pred)
-        if cfg_scale != 1.0:
-            t, d = guide(t, cfg_scale), guide(d, cfg_scale)
-        for k, v in position_terms(t, d, draft_temperature).items():
+        terms = position_terms(module._visual(target), module._visual(pred), cfg_scale, draft_temperature)
+        for k, v in terms.items():
             parts.setdefault(k, []).append(v.flatten())
     terms = {k: torch.cat(v) for k, v in parts.items()}
     return {"drafter": drafter_dir, "images": images, "positions": int(terms["max_p"].numel()),

@@ -187,34 +187,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
-    `max_lead` (carry only): how many rows an image may run ahead of the batch's slowest (null: no bound);
-    `max_window_rows` (carry only): an image drafts its next row only while fewer of its rows than this are not
-    final, which bounds the tokens fed per pass (null: no bound; the row budget `rounds` alone decides);
-    `redraft` (carry only, beyond the paper): after a pass, up to this many tokens right of an image's first change
-    (in its row) are drafted again by f_phi.right from the fresh state before the change, instead of being carried
-    with values that were judged given the replaced token (0: off, the carry rule as it was);
-    `redraft_rows`: re-draft only in the first this many rows (1: the horizontally drafted first row; null: every row).
-    `max_row_passes` (carry only): a row judged this many times is kept as it stands, as the paper keeps a row after
-    its r + 1 passes; its tokens right of the last pass's first change count in stats["unchecked_tokens"]
-    (null: no cap, every token is final before it is kept: approximately lossless, exact under greedy decoding);
-    `second_row_wait` (carry only, beyond the paper): the second row is drafted (down, from the first row's states)
-    only once at most this many of the first row's tokens are not final: after its first pass the horizontally
-    drafted first row is still far from final, and down drafts from it are mostly rejected (null: no wait, the
-    window bound alone decides);
-    `acceptance` (carry only for the other rules): "speculative", the paper's test (keep t ~ q with prob
-    min(1, p(t)/q(t)), else draw from the residual); beyond the paper, "typical" (Medusa's typical acceptance:
-    keep t when p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless) or
-    "typical_carried" (fresh drafts by the speculative test, carried tokens by the typical one);
-    `left_draft` (drafters with left context; beyond the paper): "sequential" drafts a down row column by column,
-    each from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each
-    column's left neighbour standing in for that neighbour's draft (fewer drafter calls, the drafts agree less with
-    each other; "refine" drafts it twice in one call each, the second time with each left neighbour the first call's
-    most likely draft; lossless every way: verification divides by the q each draft was drawn from); a drafter
-    without left context drafts a row in one call whatever this says;
-    `siblings` (carry only, beyond the paper): for each image's first this many window tokens, the pass also feeds the
-    proposal's most likely other token at the same position; when a pass's first change draws one of them, the token
-    after the change is judged in the same pass from that alternative's state, by the rule the next pass would apply
-    (0: off; `CarryWindow.sibling_inputs`);
+    `left_draft` (drafters with left context): how a down row is drafted, with or without carry. `max_lead`,
+    `max_window_rows`, `redraft`, `redraft_rows`, `max_row_passes`, `second_row_wait`, `acceptance` (and its
+    `typical_*`) and `siblings` shape the carry window: see `ssd_window.CarryRule`, where each is documented.
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);

@@ -13,22 +13,37 @@ from specgen.decoding.state import SpecState
 
 @dataclass(frozen=True)
 class CarryRule:
-    """How the carry window moves: the options of `ssd.generate` that only `carry=True` reads (documented there;
-    no defaults here: `generate`'s are the ones).
+    """How the carry window moves: the options of `ssd.generate` that only `carry=True` reads (`left_draft` and
+    `draft_temperature` apply without carry too; no defaults here: `generate`'s are the ones).
 
     rounds: passes on an image's newest row before its next row is due (a row's budget, r + 1 passes);
-    max_lead: rows an image may run ahead of the batch's slowest (None: no bound; a stream sets None);
-    max_window_rows: rows not final yet, the new one included, below which an image drafts its next row;
-    draft_temperature: warps the drafted distribution q (None: the sampling temperature);
-    redraft / redraft_rows: tokens right of a pass's first change re-drafted by f_phi.right, in rows above this;
-    max_row_passes: passes after which a carried frontier row is kept as it stands (None: no cap);
-    second_row_wait: first-row tokens that may be not final when the second row is drafted (None: no wait);
-    acceptance: how a window token is judged: "speculative" (min(1, p/q), else the residual), "typical" (kept when
-    p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else redrawn from p) or "typical_carried" (fresh drafts
-    speculative, carried tokens typical);
-    left_draft: what a down draft's left neighbour is ("sequential": the previous column's draft; "above": the token
-    above that neighbour, every column in one drafter call; "refine": the most likely draft of a first such call);
-    siblings: window positions, from an image's first on, whose best alternative token is fed with each pass (0: none;
+    max_lead: how many rows an image may run ahead of the batch's slowest (None: no bound; a stream sets None);
+    max_window_rows: an image drafts its next row only while fewer of its rows than this are not final, which bounds
+    the tokens fed per pass (None: no bound; the row budget `rounds` alone decides);
+    draft_temperature: warps the drafted distribution q only (None: the sampling temperature; 0: argmax drafts);
+    redraft (beyond the paper): after a pass, up to this many tokens right of an image's first change (in its row) are
+    drafted again by f_phi.right from the fresh state before the change, instead of being carried with values that
+    were judged given the replaced token (0: off); redraft_rows: re-draft only in the first this many rows (1: the
+    horizontally drafted first row; None: every row);
+    max_row_passes: a row judged this many times is kept as it stands, as the paper keeps a row after its r + 1
+    passes; its tokens right of the last pass's first change count in stats["unchecked_tokens"] (None: no cap, every
+    token is final before it is kept: approximately lossless, exact under greedy decoding);
+    second_row_wait (beyond the paper): the second row is drafted (down, from the first row's states) only once at
+    most this many of the first row's tokens are not final: after its first pass the horizontally drafted first row
+    is still far from final, and down drafts from it are mostly rejected (None: no wait);
+    acceptance: how a window token is judged: "speculative", the paper's test (keep t ~ q with prob min(1, p/q), else
+    draw from the residual); beyond the paper, "typical" (Medusa's typical acceptance: keep t when
+    p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless) or "typical_carried"
+    (fresh drafts by the speculative test, carried tokens by the typical one);
+    left_draft (drafters with left context; beyond the paper): "sequential" drafts a down row column by column, each
+    from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each column's
+    left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine" drafts it
+    twice in one call each, the second time with each left neighbour the first call's most likely draft; lossless
+    every way (verification divides by the q each draft was drawn from); a drafter without left context drafts a row
+    in one call whatever this says;
+    siblings (beyond the paper): for each image's first this many window tokens, the pass also feeds the proposal's
+    most likely other token at the same position; when a pass's first change draws one of them, the token after the
+    change is judged in the same pass from that alternative's state, by the rule the next pass would apply (0: off;
     see `CarryWindow.sibling_inputs`)."""
 
     rounds: int
