@@ -285,18 +285,24 @@ def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(t
     assert set(streamed.files) == {"codes", "ids", "prompts"} and streamed["codes"].shape == (3, 4, 4)
     torch.manual_seed(0)
     module = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG).eval()
+    batched = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG, state_batch=2).eval()
     batches = {}
     for stream, dm in dms.items():
         torch.manual_seed(3)  # the same shuffle for both
         batches[stream] = list(dm.train_dataloader())
     assert len(batches[True]) == 3
+    mixed = 0
     for full, lazy in zip(batches[False], batches[True]):
         assert torch.equal(full["ids"], lazy["ids"])
         states = module.batch_states(lazy)
+        # two prompts per teacher call (state_batch=2, of different lengths in some batch): the states of one at a time
+        mixed += len({len(t) for t in lazy["prompt"]}) > 1
+        assert torch.allclose(batched.batch_states(lazy), states, rtol=1e-4, atol=1e-5)
         assert torch.allclose(states, module.batch_states(full), rtol=2e-3, atol=2e-3)  # fp16 shards
         with torch.no_grad():
             a, b = module.losses(full), module.losses(lazy)
         assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-4) for k in a), {k: (a[k], b[k]) for k in a}
+    assert mixed  # the batched teacher call saw prompts of different lengths
     # resumable: a missing shard is written again, alone, with the same tokens
     before = {k: streamed[k].copy() for k in streamed.files}
     dms[True].shard_path("train", 1).unlink()

@@ -50,8 +50,9 @@ class DistillModule(L.LightningModule):
     def __init__(self, net: nn.Module, backbone_dir: str | None, tokenizer_dir: str | None, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1,
                  guided_weight: float = 0.0, guided_loss: str = "kl", cfg_scale: float = 2.0,
-                 rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None):
+                 rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None, state_batch: int = 1):
         super().__init__()
+        expect_int("module.state_batch", state_batch, 1)
         expect_float("module.lr", lr, 0.0)
         expect_float("module.kl_weight", kl_weight, 0.0)
         expect_float("module.guided_weight", guided_weight, 0.0)
@@ -123,15 +124,19 @@ class DistillModule(L.LightningModule):
     @torch.no_grad()
     def batch_states(self, batch) -> torch.Tensor:
         """(2B, L, D) teacher states of a batch, B conditional rows then B unconditional: read from cached shards, or
-        recomputed by the frozen backbone from the sampled codes and prompts (a streamed data module)."""
+        recomputed by the frozen backbone from the sampled codes and prompts (a streamed data module),
+        `state_batch` images per teacher call."""
         if "states" in batch:
             return batch["states"].transpose(0, 1).flatten(0, 1)
         cond, uncond = [], []
-        for i, text in enumerate(batch["prompt"]):
-            # one image at a time: a whole sequence's KV cache is about 1 GB a row at Emu3's size in bf16
-            states, _ = image_states(self.backbone, self.backbone.prompts([text]).rows(True), batch["codes"][i:i + 1])
-            cond.append(states[:1])
-            uncond.append(states[1:])
+        n = self.hparams.state_batch  # 1 at Emu3's size: a whole sequence's KV cache is about 1 GB a row in bf16
+        texts = list(batch["prompt"])
+        for i in range(0, len(texts), n):
+            k = len(texts[i:i + n])
+            states, _ = image_states(self.backbone, self.backbone.prompts(texts[i:i + n]).rows(True),
+                                     batch["codes"][i:i + k])
+            cond.append(states[:k])
+            uncond.append(states[k:])
         return torch.cat(cond + uncond).float()
 
     def losses(self, batch) -> dict[str, torch.Tensor]:
