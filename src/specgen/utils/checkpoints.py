@@ -25,7 +25,7 @@ REPO_ROOT = repo_root()  # the clone (or $SPECGEN_ROOT): where shipped checkpoin
 # The experiment that exports each shipped folder (its `export_name`), for error messages.
 PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "ar_shapes_train",
              "ar_shapes_draft": "ar_shapes_draft_train", "fphi_shapes": "fphi_shapes", "fphi_accept": "fphi_accept",
-             "fphi_accept16": "fphi_accept16",
+             "fphi_accept16": "fphi_accept16", "fphi_gpu": "fphi_gpu",
              "fphi_tokens_shapes": "fphi_tokens_shapes", "mtp_shapes": "mtp_shapes", "featnet_shapes": "featnet_shapes",
              "clip_shapes": "clip_shapes", "mar_shapes": "mar_shapes_train", "mar_shapes_draft": "mar_draft_train",
              "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train",
