@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # f_phi distilled for acceptance on ONE GPU, inside a fixed wall-clock deadline:
-#   1. speed of AR against SSD on the GPU (batch 1 and 16, the shipped drafter): wall and pass ratios side by side;
+#   1. speed of AR against SSD on the GPU (batch 1 and 16, the default drafter): wall and pass ratios side by side;
 #   2. teacher samples at the decoding CFG (the paper's self-distillation; data.stream=true caches the tokens, the
 #      training module's frozen backbone recomputes the states per batch), as many shards as fit its time;
 #   3. three drafters trained side by side on them, from the shipped `fphi_accept`, each fitting its steps into the
@@ -21,7 +21,7 @@ mkdir -p "$LOGS" && LOGS=$(cd "$LOGS" && pwd)
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 
 if [ "$SMOKE" = 1 ]; then  # own checkpoint and data folders: the shipped models stay untouched
-  mkdir -p "$LOGS/checkpoints" && cp -r checkpoints/ar_shapes checkpoints/vq_shapes checkpoints/fphi_accept "$LOGS/checkpoints/"
+  mkdir -p "$LOGS/checkpoints" && cp -r checkpoints/ar_shapes checkpoints/vq_shapes checkpoints/fphi_accept checkpoints/fphi_gpu "$LOGS/checkpoints/"
   DATA_DIR=$LOGS/data
   PATHS="paths.checkpoint_dir=$LOGS/checkpoints paths.data_dir=$DATA_DIR"
   COMMON="$PATHS trainer=cpu logger=csv trainer.max_steps=3 trainer.val_check_interval=3 ++trainer.limit_val_batches=1"
