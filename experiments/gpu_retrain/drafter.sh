@@ -48,7 +48,7 @@ stage() {  # stage <name> <seconds> <command...>: one step, its log, exit status
   return $rc
 }
 
-# 1. speed (the shipped drafter), at most 100 s
+# 1. speed (the default drafter), at most 100 s
 stage speed 100 $PY -m specgen.eval experiment=discrete_speed benchmark=none logger=none $PATHS $SPEED \
   '~strategies.ssd_exact' '~strategies.ssd_typical_carried' '~strategies.ssd_row_draft' '~strategies.mtp1d' \
   '~strategies.specdec' '~strategies.sjd' '~strategies.ssd_paper' hydra.run.dir="$LOGS/speed"
