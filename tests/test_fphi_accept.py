@@ -37,6 +37,26 @@ def test_row_context_drafter_starts_point_wise_and_then_sees_its_neighbours():
     assert ctx.right(h[:, 0], e[:, 0]).shape == (2, 16)  # the right direction stays point-wise
 
 
+def test_row_mixer_is_its_convolution_along_the_row():
+    """The mixer computes its Conv1d (zero padding past the row's ends) as one matmul over each position's
+    neighbourhood: the same outputs and gradients as the module's own convolution, for any leading dimensions."""
+    from specgen.drafters.fphi import _RowMixer
+
+    torch.manual_seed(0)
+    mix = _RowMixer(8, 5)
+    torch.nn.init.normal_(mix.conv.weight, std=0.3)
+    torch.nn.init.normal_(mix.conv.bias)
+    for shape in ((3, 6, 8), (2, 4, 6, 8), (6, 8)):
+        x = torch.randn(*shape, requires_grad=True)
+        y = mix.norm(x).reshape(-1, shape[-2], shape[-1]).transpose(1, 2)  # (N, C, W)
+        ref = x + F.silu(mix.conv(y)).transpose(1, 2).reshape(shape)
+        out = mix(x)
+        assert torch.allclose(out, ref, atol=1e-5)
+        g_out = torch.autograd.grad(out.square().sum(), (x, mix.conv.weight))
+        g_ref = torch.autograd.grad(ref.square().sum(), (x, mix.conv.weight))
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(g_out, g_ref))
+
+
 def test_row_context_errors_name_the_value():
     with pytest.raises(ValueError, match="context_kernel=4: expected an odd kernel"):
         FPhi(16, "xs", context_kernel=4)

@@ -10,7 +10,7 @@ from specgen.backbones.chameleon_vqgan import ChameleonVQGANDecoder
 from specgen.backbones.emu3 import Emu3Backbone
 from specgen.backbones.janus import JanusBackbone
 from specgen.backbones.lumina import LuminaBackbone
-from specgen.backbones.protocol import DiscreteBackbone, embed_image, image_states
+from specgen.backbones.protocol import DiscreteBackbone, embed_image, guided_logits, image_states
 from specgen.backbones.random_models import build_tiny, write_tiny_vqgan
 from specgen.decoding import ar, sjd, ssd
 from specgen.decoding.sampling import guide
@@ -99,6 +99,16 @@ def test_prenorm_state_is_the_final_norms_input_and_the_head_is_the_models(real)
     else:  # the model's own head, at the vocabulary ids of the visual codes
         ref = fresh.model.lm_head(out)[..., fresh.visual_ids]
     assert torch.allclose(m.visual_logits(h), ref, atol=1e-4)
+
+
+def test_guided_logits_mix_before_a_linear_head_and_equal_guiding_the_logits(real):
+    """protocol.guided_logits: Emu3's and Lumina's heads are linear (the rows are mixed before the projection), Janus's
+    generation head is not (its logits are guided); every way, the guided logits of the model's own head."""
+    kind, _, m = real
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, m.hidden_size) * 3  # [cond; uncond] rows of one image, 5 states each
+    assert (m.guided_visual_logits is None) == (kind == "janus_pro")
+    assert torch.allclose(guided_logits(m, h, CFG), guide(m.visual_logits(h), CFG), atol=1e-4)
 
 
 def test_forced_tokens_and_prompt_headers_are_in_place(real):

@@ -382,7 +382,7 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
                   max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5,
-                  left_draft="above", siblings=2)
+                  left_draft="above", siblings=2, max_fed=5)
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
@@ -413,6 +413,42 @@ def test_window_bound_keeps_greedy_equality_and_batch_invariance():
         assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
     with pytest.raises(ValueError, match="max_window_rows"):
         ssd.generate(m, p, noisy_drafter(m), carry=True, max_window_rows=0)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_max_fed_bounds_each_pass_and_keeps_greedy_equality_batch_invariance_and_streams(monkeypatch, left):
+    """max_fed=k: no pass feeds more than k slots after the prefill (one image: each image's own pass; a batch feeds
+    the union of its images' ranges), greedy output = AR, a batch's images and pass counts are batch 1's, the stream
+    decodes the same images, and the bound costs passes as it saves slots (k = 1 feeds what AR feeds)."""
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, redraft=2, redraft_rows=1, second_row_wait=2)
+    fed = _spy_fed(monkeypatch, m)
+    passes = {}
+    for k in (1, 3, 6, None):
+        for siblings in (0, 2):
+            out, _ = ssd.generate(m, p, noisy_drafter(m, left), temperature=0, max_fed=k, siblings=siblings, **kw)
+            assert torch.equal(out, ref)
+        fed.clear()
+        out, st = ssd.generate(m, p[:1], noisy_drafter(m, left), rngs=make_rngs([0]), max_fed=k, **kw)
+        if k is not None:  # the prefill first; a range ending at an end-of-row slot feeds it with the token before
+            assert max(fed[1:]) <= k + 1 and sum(fed[1:]) == st["tokens_fed"][0]
+        passes[k] = (st["nfe"], st["tokens_fed"][0].item())
+        many, st4 = ssd.generate(m, p, noisy_drafter(m, left), rngs=make_rngs(range(4)), max_fed=k, **kw)
+        stream, _ = ssd.generate(m, p, noisy_drafter(m, left), rngs=make_rngs(range(4)), slots=2, max_fed=k, **kw)
+        assert torch.equal(stream, many) and torch.equal(many[0], out[0]) and st4["image_passes"][0] == st["nfe"]
+        for i in (1, 3):
+            one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m, left), rngs=make_rngs([i]), max_fed=k, **kw)
+            assert torch.equal(many[i], one[0]) and st4["image_passes"][i] == st1["nfe"]
+    H, W = m.grid.height, m.grid.width
+    assert passes[1][1] == H * W - 1 + H - 1  # one slot a pass: every image token but the last, as AR
+    assert passes[1][0] > passes[None][0] and passes[1][1] < passes[None][1]
+    for bad, error in ((0, ValueError), (2.5, TypeError)):
+        with pytest.raises(error, match="max_fed"):
+            ssd.generate(m, p, noisy_drafter(m), carry=True, max_fed=bad)
+    with pytest.raises(ValueError, match="max_fed=4 .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, max_fed=4)
 
 
 def test_redraft_keeps_greedy_equality_batch_invariance_and_refuses_what_it_cannot_serve():

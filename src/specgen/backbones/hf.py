@@ -154,5 +154,12 @@ class HFDiscreteBackbone(nn.Module):
         """Final norm, then the output rows of the visual codes only (not the whole vocabulary)."""
         return torch.nn.functional.linear(self.final_norm(hidden.to(self.dtype)), self.visual_head)
 
+    def guided_visual_logits(self, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        """Guided logits from stacked [cond; uncond] states (2B, ..., D), mixed after the final norm and before the
+        (linear) projection: `guide(visual_logits(hidden), cfg_scale)` with half the projection. A subclass whose
+        visual head is not one linear map sets this to None (`protocol.guided_logits` then guides the logits)."""
+        cond, uncond = self.final_norm(hidden.to(self.dtype)).float().chunk(2, dim=0)
+        return torch.nn.functional.linear(torch.lerp(uncond, cond, cfg_scale).to(self.dtype), self.visual_head)
+
     def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(self.visual_ids[codes])

@@ -55,6 +55,8 @@ class JanusBackbone(HFDiscreteBackbone):
         m = self.model.model
         return m.generation_aligner(m.generation_embeddings(codes))
 
+    guided_visual_logits = None  # its generation head is not linear: guidance mixes its logits
+
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, then the separate generation head."""
         return self.model.model.generation_head(self.final_norm(hidden.to(self.dtype)))

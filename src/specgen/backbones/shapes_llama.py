@@ -150,6 +150,16 @@ class ShapesLlama(nn.Module):
         normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
         return torch.nn.functional.linear(norm.weight * normed.to(hidden.dtype), rows)
 
+    def guided_visual_logits(self, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+        """Classifier-free guidance from stacked [cond; uncond] pre-norm states (2B, ..., D) -> guided logits
+        (B, ..., num_visual), equal to `guide(visual_logits(hidden), cfg_scale)`: the head is linear after the norm,
+        so the two rows are mixed before the projection (half of it; drafting calls this per drafted column)."""
+        g, norm = self.grid, self.final_norm
+        rows = self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
+        normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
+        cond, uncond = normed.chunk(2, dim=0)
+        return torch.nn.functional.linear(norm.weight * torch.lerp(uncond, cond, cfg_scale).to(hidden.dtype), rows)
+
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size

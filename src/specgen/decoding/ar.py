@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
-from specgen.decoding.sampling import guide, sample
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image, guided_logits
+from specgen.decoding.sampling import sample
 from specgen.decoding.state import prompt_rows
 from specgen.utils.validate import expect_float
 
 
 def visual_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: float, cfg_rows: bool) -> torch.Tensor:
     """Guided logits over visual codes only: (2B or B, ..., D) -> (B, ..., num_visual)."""
-    logits = backbone.visual_logits(hidden)
-    return guide(logits, cfg_scale) if cfg_rows else logits
+    return guided_logits(backbone, hidden, cfg_scale) if cfg_rows else backbone.visual_logits(hidden)
 
 
 @torch.no_grad()

@@ -58,9 +58,15 @@ def make_rngs(seeds: list[int], device="cpu") -> list[torch.Generator]:
 
 def sample_probs(p: torch.Tensor, rngs: list[torch.Generator] | None = None) -> torch.Tensor:
     """Draw ids from probabilities (B, ..., V) by inverse CDF (exact argmax for one-hot rows)."""
+    return inverse_cdf(p, uniform(tuple(p.shape[:-1]), rngs, p.device))
+
+
+def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Ids from probabilities (..., V) at uniform draws u (...,) in [0, 1): `sample_probs` with its draws given (a
+    decoder drawing one token per step can draw the uniforms of all its steps at once: per generator, n draws at once
+    are the n draws one at a time)."""
     cdf = p.cumsum(-1)
-    u = uniform(tuple(p.shape[:-1]), rngs, p.device) * cdf[..., -1]
-    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
+    return torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
 
 
 def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
-from specgen.decoding.sampling import accept_or_resample, sample_probs
+from specgen.decoding.sampling import accept_or_resample, inverse_cdf, sample_probs, uniform
 from specgen.decoding.ssd_window import CarryRule, CarryWindow
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
@@ -100,11 +100,12 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
         return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
     table = left_table(st, drafter)  # (V, width): each visual code's left-neighbour features
-    left, gens = drafter.left_in(st.embed(prev)), st.image_gens(images)  # column 0's: a forced token, or a code
+    left = drafter.left_in(st.embed(prev))  # column 0's: a forced token, or a code
+    u = uniform((len(images), g.width), st.image_gens(images), prev.device)  # (S, W): the columns' draws at once
     for c in range(g.width):
         state = drafter.down_step(trunk[:, c], hidden[:, c], left)  # (S', D)
         q = st.dist(state, draft_temperature)  # (S, V)
-        tok = sample_probs(q, gens)
+        tok = inverse_cdf(q, u[:, c])
         codes.append(tok)
         qs.append(q)
         left = table[tok].repeat(st.reps, 1)
@@ -143,7 +144,7 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
                          "right and never carries any; set one of them to false")
     expect_int("rounds", rule.rounds, 0)
-    for name, least in (("max_lead", 0), ("max_window_rows", 1), ("redraft_rows", 1)):
+    for name, least in (("max_lead", 0), ("max_window_rows", 1), ("redraft_rows", 1), ("max_fed", 1)):
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
     expect_int("redraft", rule.redraft, 0)
@@ -152,6 +153,9 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         raise ValueError(f"siblings={rule.siblings} judges the token after a pass's first change in the same pass and "
                          f"needs carry=true (without carry, every column is judged each pass); set siblings=0 or "
                          f"carry=true")
+    if rule.max_fed is not None and not carry:
+        raise ValueError(f"max_fed={rule.max_fed} bounds the slots a carry-window pass feeds and needs carry=true "
+                         f"(without carry a pass feeds its row); set max_fed=null or carry=true")
     if rule.redraft and not carry:
         raise ValueError(f"redraft={rule.redraft} re-drafts tokens carried to the next pass and needs carry=true "
                          f"(the paper's rule keeps no carried tokens); set redraft=0 or carry=true")
@@ -183,13 +187,13 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
              max_row_passes: int | None = None, second_row_wait: int | None = None,
              acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3,
-             left_draft: str = "sequential", siblings: int = 0):
+             left_draft: str = "sequential", siblings: int = 0, max_fed: int | None = None):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
     `left_draft` (drafters with left context): how a down row is drafted, with or without carry. `max_lead`,
     `max_window_rows`, `redraft`, `redraft_rows`, `max_row_passes`, `second_row_wait`, `acceptance` (and its
-    `typical_*`) and `siblings` shape the carry window: see `ssd_window.CarryRule`, where each is documented.
+    `typical_*`), `siblings` and `max_fed` shape the carry window: see `ssd_window.CarryRule`, where each is documented.
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -200,7 +204,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
                      max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
                      typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft,
-                     siblings=siblings)
+                     siblings=siblings, max_fed=max_fed)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)

@@ -44,7 +44,14 @@ class CarryRule:
     siblings (beyond the paper): for each image's first this many window tokens, the pass also feeds the proposal's
     most likely other token at the same position; when a pass's first change draws one of them, the token after the
     change is judged in the same pass from that alternative's state, by the rule the next pass would apply (0: off;
-    see `CarryWindow.sibling_inputs`)."""
+    see `CarryWindow.sibling_inputs`);
+    max_fed (beyond the paper, a wall-clock lever): an image's pass feeds at most this many slots from its first
+    stale one (one more where they end at an end-of-row slot, which is fed with the token before it; None: the whole
+    window). Only the window tokens whose state before them was
+    computed by the pass are judged; the rest keep their drafts (or carried values) and proposals for a later pass.
+    A pass mostly ends its progress at its first change, after which it feeds tokens whose states the next pass
+    recomputes: on a CPU, where a pass costs a fixed part plus a part per slot fed, feeding them costs time and
+    saves few passes. A row is drafted from the row above only once every slot of that row has been fed."""
 
     rounds: int
     max_lead: int | None
@@ -59,6 +66,7 @@ class CarryRule:
     typical_delta: float = 0.3
     left_draft: str = "sequential"
     siblings: int = 0
+    max_fed: int | None = None
 
 
 class CarryWindow:
@@ -96,6 +104,11 @@ class CarryWindow:
         # after the last pass's first change), fresh [0] and carried [1]; distances from 2W on share the last bin
         self.by_distance = torch.zeros(B, 2, 2, 2 * g.width, device=dev)  # (B, fresh/carried, judged/changed, d)
         self.last_changed = torch.zeros(B, dtype=torch.bool, device=dev)  # the image's last pass changed a token
+        # max_fed, per image (so that an image's passes are those of batch-1 decoding): its first slot whose state
+        # is stale, and how far its states were ever computed (a row is drafted from the row above once it was)
+        self.stale = torch.full((B,), g.prefix_len, dtype=torch.long, device=dev)
+        self.seen = self.stale.clone()
+        self.recorded = torch.zeros(B, dtype=torch.long, device=dev)  # first-pass acceptance recorded below this slot
 
     def floor(self) -> int:
         """The lowest slot whose state a draft or a pass may still read: the one before the slowest image's row
@@ -125,6 +138,10 @@ class CarryWindow:
             g = self.st.g
             unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto).clamp_min(0)  # first-row tokens not final
             ok &= ~((self.next_row == 1) & (unsettled > rule.second_row_wait))
+        if rule.max_fed is not None:  # the row above's states must have been computed (drafts read them)
+            g = self.st.g
+            above_end = g.position((self.next_row - 1).clamp_min(0), g.width - 1)  # the row above's last slot
+            ok &= (self.next_row == 0) | (above_end <= self.seen)
         return ok
 
     def lead_ok(self) -> torch.Tensor:
@@ -182,6 +199,8 @@ class CarryWindow:
         idx = torch.searchsorted(pos, self.final_upto)[:, None] + torch.arange(k, device=pos.device)  # (B, k)
         safe = idx.clamp_max(n - 2)
         valid = (idx <= n - 2) & (pos[safe + 1] == pos[safe] + 1) & (pos[safe] + 1 < self.drafted_upto[:, None])
+        if self.rule.max_fed is not None:  # the token after an alternative is judged in this pass (and it is fed)
+            valid &= pos[safe] + 1 <= self.image_ends()[:, None]
         keep = valid.any(0)
         if not keep.any():
             return None
@@ -193,8 +212,19 @@ class CarryWindow:
 
     def pass_end(self) -> int:
         """The slot a pass over the window feeds up to (exclusive): the window's last token is conditioned on,
-        never fed."""
-        return int(self.pos[-1])
+        never fed; with `max_fed`, the furthest of the taking-part images' own ends (`image_ends`)."""
+        if self.rule.max_fed is None:
+            return int(self.pos[-1])
+        act = self.live() & ~self.wants()
+        return int(self.image_ends()[act].max()) if act.any() else int(self.pos[-1])
+
+    def image_ends(self) -> torch.Tensor:
+        """(B,) max_fed: each image's pass end, at most `max_fed` slots past its first stale one, at most its window's
+        last token, at least its window's first token (past an end-of-row slot): what its batch-1 pass would feed up
+        to. Its window tokens at slots up to it are judged."""
+        g = self.st.g
+        first = self.final_upto + (g.row_col(self.final_upto)[1] >= g.width).long()  # its first window token
+        return torch.minimum(self.drafted_upto - 1, torch.maximum(self.stale + self.rule.max_fed, first))
 
     def judge(self, accept_map: torch.Tensor, rounds_used: torch.Tensor,
               siblings: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None) -> None:
@@ -205,33 +235,54 @@ class CarryWindow:
         # image waits without a pass, as if its next row came at once, so its draws stay its own
         held = self.wants()
         act = (self.live() & ~held).nonzero().flatten()
-        p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
+        if self.rule.max_fed is None:
+            judged = torch.ones(st.B, pos.numel(), dtype=torch.bool, device=pos.device)
+            p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
+        else:  # each image's tokens up to its own end: the state before each of them is current
+            ends = self.image_ends()
+            judged = pos[None] <= ends[:, None]  # (B, n)
+            cols = judged.any(0)
+            p = st.dist(st.hid[:, pos[cols] - 1])  # (B, n', V), zeros at the slots no image judges (never read)
+            if not bool(cols.all()):
+                p = p.new_zeros(p.shape[0], pos.numel(), p.shape[-1]).index_copy_(1, cols.nonzero().flatten(), p)
         cur = st.visual(pos)
         new = cur.clone()
         redrafts = []
         front = self.frontier_row()  # (B,) each image's row of its first non-final token, before this pass
         for b in act.tolist():  # per-image draws, over the image's own window only
-            own = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
+            window = ((pos >= self.final_upto[b]) & (pos < self.drafted_upto[b])).nonzero().flatten()
+            own = window[judged[b, window]]
+            if not own.numel():  # max_fed: the pass ended before this image's window (a batch's union window)
+                act = act[act != b]
+                continue
             nb, acc = self._accept(b, own, cur, p)
             new[b, own] = nb[0]
             changed = nb[0] != cur[b, own]
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
             self._count(b, own, changed, first)
+            if self.rule.max_fed is not None:  # stale from its first change on, else from where its pass ended
+                self.stale[b] = pos[own[first]] if changed.any() else ends[b]
+                self.seen[b] = torch.maximum(self.seen[b], ends[b])
             if states is not None and changed.any():  # the token after the change, judged in this pass
                 first += self._sibling(b, own, first, new, p, siblings, states)
             self.final_upto[b] = pos[own[first]] + 1  # final through the first change (and a sibling's judgement)
             kept = self._cap_rows(b, own, int(front[b]))
             if self.rule.redraft and changed.any() and not kept:
-                redrafts.append(self._redraft(b, own, first, new[b]))
+                redrafts.append(self._redraft(b, window, first, new[b]))
             r = int(self.first_row[b])
-            if r >= 0:  # the first pass over a freshly drafted row: its acceptance map
-                row = g.row_col(pos[own])[0] == r
-                accept_map[b, r] = acc[0, row]
-                self.first_row[b] = -1
+            if r >= 0:  # the first judgement of each token of a freshly drafted row: its acceptance map
+                rows_, cols_ = g.row_col(pos[own])
+                row = (rows_ == r) & (pos[own] >= self.recorded[b])
+                accept_map[b, r, cols_[row]] = acc[0, row]
+                if row.any():
+                    self.recorded[b] = int(pos[own][row][-1]) + 1
+                if bool((pos[own] >= g.position(r, g.width - 1)).any()):  # its last token judged: the map is whole
+                    self.first_row[b] = -1
             if self.spent[b] <= self.rule.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
         st.set_tokens(pos, new)
-        self.prop = torch.where(torch.isin(torch.arange(st.B, device=pos.device), act)[:, None, None], p, self.prop)
+        acting = torch.isin(torch.arange(st.B, device=pos.device), act)[:, None] & judged  # (B, n)
+        self.prop = torch.where(acting[..., None], p, self.prop)
         for b, slots, q in redrafts:  # re-drafted tails are judged against their drafts' q next pass
             self.prop[b, slots], self.fresh[b, slots] = q, True
         self.spent[act] += 1

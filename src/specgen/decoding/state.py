@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, Prompts, PromptRows, embed_image, weights_part
+from specgen.backbones.protocol import (DiscreteBackbone, Prompts, PromptRows, embed_image, guided_logits,
+                                        weights_part)
 from specgen.decoding.sampling import guide, probs
 from specgen.utils.validate import expect_float
 
@@ -194,6 +195,9 @@ class SpecState:
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.
         `temperature` overrides the decoding temperature (drafts may be drawn colder than the target)."""
+        if self.reps == 2:  # guided, mixed before the head's projection where the backbone can
+            logits = guided_logits(self.bb, hidden, self.cfg_scale)
+            return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
         return self.dist_logits(self.bb.visual_logits(hidden), temperature)
 
     def dist_logits(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
-from specgen.decoding.sampling import guide, sample
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image, guided_logits
+from specgen.decoding.sampling import sample
 from specgen.decoding.state import prompt_rows
 from specgen.utils.validate import expect_float, expect_int
 
@@ -50,8 +50,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 3.
         active = [r for r in range(g.height) if r in state and count[r] < g.width]
         feed_ids, feed_pos, targets = [], [], []  # targets: rows whose next state each output becomes
         for r in active:
-            logits = backbone.visual_logits(state[r])
-            tok = sample(guide(logits, cfg_scale) if reps == 2 else logits, temperature, top_k, rngs)
+            logits = guided_logits(backbone, state[r], cfg_scale) if reps == 2 else backbone.visual_logits(state[r])
+            tok = sample(logits, temperature, top_k, rngs)
             c = count[r]
             codes[:, r, c] = tok
             count[r] += 1
