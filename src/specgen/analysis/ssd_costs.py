@@ -13,7 +13,8 @@ and positions fed pull the wall clock in opposite directions. The report gives, 
 time, its passes and positions fed, and two projections from the fitted model: the wall ratio against AR if drafting
 and verification cost nothing, and the positions fed per image that a target wall ratio would allow at the
 strategy's passes (`--target-ratio`), with drafting and verification as measured and with both free (a negative
-budget: the ratio is out of reach at those passes even if nothing were fed).
+budget: the ratio is out of reach at those passes even if nothing were fed). The strategies run interleaved, every one
+on a prompt before the next prompt, so that a drift of the machine's speed falls on all of them alike.
 
     python -m specgen.analysis.ssd_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
         --drafter checkpoints/fphi_accept --prompts 16 --threads 2 --out logs/ssd_costs
@@ -96,23 +97,27 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     for name, options in strategies.items():
         decoders[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
                                                                  rngs=rngs, **o))(options)
-    out = {}
+    acc = {name: {"wall": 0.0, "draft": 0.0, "passes": [], "fed": [], "forwards": []} for name in decoders}
     with clocked(backbone, clock):
         for name, decode in decoders.items():
             decode(backbone.prompts(prompts[:1]), make_rngs([seed]))  # warm-up
-            clock.reset()
-            wall, passes, fed = 0.0, [], []
-            for i, text in enumerate(prompts):
+        for i, text in enumerate(prompts):  # interleaved: every strategy on a prompt before the next prompt, so that
+            for name, decode in decoders.items():  # a drift of the machine's speed falls on all of them alike
+                clock.reset()
                 t = time.perf_counter()
                 _, stats = decode(backbone.prompts([text]), make_rngs([seed + i]))
-                wall += time.perf_counter() - t
-                passes.append(stats["nfe"])
-                fed.append(float(stats["tokens_fed"][0]))
-            n = len(prompts)
-            target = sum(f[2] for f in clock.forwards)  # prefills included: they are part of each decode
-            out[name] = {"images": n, "wall_s": wall / n, "target_s": target / n, "draft_s": clock.draft_s / n,
-                         "other_s": (wall - target - clock.draft_s) / n, "passes": float(np.mean(passes)),
-                         "tokens_fed": float(np.mean(fed)), "forwards": list(clock.forwards)}
+                a = acc[name]
+                a["wall"] += time.perf_counter() - t
+                a["draft"] += clock.draft_s
+                a["forwards"] += clock.forwards
+                a["passes"].append(stats["nfe"])
+                a["fed"].append(float(stats["tokens_fed"][0]))
+    out, n = {}, len(prompts)
+    for name, a in acc.items():
+        target = sum(f[2] for f in a["forwards"])  # prefills included: they are part of each decode
+        out[name] = {"images": n, "wall_s": a["wall"] / n, "target_s": target / n, "draft_s": a["draft"] / n,
+                     "other_s": (a["wall"] - target - a["draft"]) / n, "passes": float(np.mean(a["passes"])),
+                     "tokens_fed": float(np.mean(a["fed"])), "forwards": a["forwards"]}
     return out
 
 
