@@ -441,6 +441,11 @@ def test_max_fed_bounds_each_pass_and_keeps_greedy_equality_batch_invariance_and
         for i in (1, 3):
             one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m, left), rngs=make_rngs([i]), max_fed=k, **kw)
             assert torch.equal(many[i], one[0]) and st4["image_passes"][i] == st1["nfe"]
+    off, st_off = ssd.generate(m, p[:1], noisy_drafter(m, left), rngs=make_rngs([0]), **kw)
+    wide, st_wide = ssd.generate(m, p[:1], noisy_drafter(m, left), rngs=make_rngs([0]), max_fed=1000, **kw)
+    assert torch.equal(wide, off)  # a cap past every window is no cap: the same passes, feeds and acceptance maps
+    assert all(torch.equal(torch.as_tensor(st_wide[k]), torch.as_tensor(st_off[k]))
+               for k in ("nfe", "tokens_fed", "accept_map", "image_passes"))
     H, W = m.grid.height, m.grid.width
     assert passes[1][1] == H * W - 1 + H - 1  # one slot a pass: every image token but the last, as AR
     assert passes[1][0] > passes[None][0] and passes[1][1] < passes[None][1]
