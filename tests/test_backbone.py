@@ -79,6 +79,21 @@ def test_prenorm_hidden_goes_through_the_models_own_norm():
     assert not torch.allclose(m.final_norm(h), h)  # the state is really pre-norm
 
 
+def test_guided_logits_mix_the_normed_rows_before_the_projection():
+    """The embedded backbone's guided logits (the two CFG rows mixed before the head's projection) equal guiding the
+    logits of its own norm and head, restricted to the visual codes."""
+    from specgen.decoding.sampling import guide, guided_logits
+
+    m = tiny_llama(True)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(m.final_norm.weight)  # a norm weight that matters
+    h = torch.randn(4, 3, m.hidden_size) * 5  # [cond; uncond] rows of two images
+    g = m.grid
+    full = m.head(h)[..., g.visual_start: g.visual_start + g.num_visual]
+    for scale in (0.0, 2.0, 3.5):
+        assert torch.allclose(guided_logits(m, h, scale), guide(full, scale), atol=1e-4)
+
+
 def test_rollback_then_refeed_equals_fresh_prefix():
     m = tiny(True)
     ids = torch.cat([m.prompt_ids(PROMPTS[:1]), torch.randint(0, 24, (1, 10)) + m.grid.visual_start], 1)

@@ -10,10 +10,10 @@ from specgen.backbones.chameleon_vqgan import ChameleonVQGANDecoder
 from specgen.backbones.emu3 import Emu3Backbone
 from specgen.backbones.janus import JanusBackbone
 from specgen.backbones.lumina import LuminaBackbone
-from specgen.backbones.protocol import DiscreteBackbone, embed_image, guided_logits, image_states
+from specgen.backbones.protocol import DiscreteBackbone, embed_image, image_states
 from specgen.backbones.random_models import build_tiny, write_tiny_vqgan
 from specgen.decoding import ar, sjd, ssd
-from specgen.decoding.sampling import guide
+from specgen.decoding.sampling import guide, guided_logits
 from specgen.drafters.fphi import FPhi
 
 PROMPTS = ["a red circle", "two blue squares left of a large green cross"]
@@ -102,7 +102,7 @@ def test_prenorm_state_is_the_final_norms_input_and_the_head_is_the_models(real)
 
 
 def test_guided_logits_mix_before_a_linear_head_and_equal_guiding_the_logits(real):
-    """protocol.guided_logits: Emu3's and Lumina's heads are linear (the rows are mixed before the projection), Janus's
+    """sampling.guided_logits: Emu3's and Lumina's heads are linear (the rows are mixed before the projection), Janus's
     generation head is not (its logits are guided); every way, the guided logits of the model's own head."""
     kind, _, m = real
     torch.manual_seed(0)

@@ -178,7 +178,7 @@ class DiscreteBackbone(Protocol):
     `forward_embeds` appends to `cache` (made by `new_cache` for a batch of prompt rows, which carries their padding)
     and returns the last layer's hidden state BEFORE the final norm; `visual_logits` applies the final norm and the
     output projection restricted to visual codes (a backbone whose head is linear may also offer
-    `guided_visual_logits(hidden, cfg_scale)`, used through `guided_logits`). Slots are explicit so that non-contiguous sets can be fed (with a
+    `guided_visual_logits(hidden, cfg_scale)`, used through `sampling.guided_logits`). Slots are explicit so that non-contiguous sets can be fed (with a
     4-D additive mask (B', 1, q, cached + q) over the cache's entries, where needed). `identity` names the weights
     (`<weights id>` or `<weights id>-<tokenizer id>`): a drafter records the part before the first '-'.
     """
@@ -201,17 +201,6 @@ class DiscreteBackbone(Protocol):
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...    # (..., D) pre-norm -> (..., num_visual)
     def rollback(self, cache, length: int) -> None: ...
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...            # (B, H, W) -> (B, 3, S, S) in [0, 1]
-
-
-def guided_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
-    """Guided visual-code logits from stacked [cond; uncond] pre-norm states (2B, ..., D) -> (B, ..., num_visual):
-    the backbone's `guided_visual_logits` where it has one (a linear head: the rows are mixed before the projection,
-    half of it), else classifier-free guidance on its `visual_logits`."""
-    fast = getattr(backbone, "guided_visual_logits", None)
-    if fast is not None:
-        return fast(hidden, cfg_scale)
-    cond, uncond = backbone.visual_logits(hidden).chunk(2, dim=0)
-    return uncond + cfg_scale * (cond - uncond)
 
 
 def weights_part(identity: str) -> str:

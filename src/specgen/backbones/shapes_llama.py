@@ -144,21 +144,24 @@ class ShapesLlama(nn.Module):
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm states (..., D) -> logits over the visual codes (..., num_visual): the final norm, then only the
         output rows of the visual codes (a contiguous slice of the projection, not the whole vocabulary)."""
-        g = self.grid
-        rows = self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
-        norm = self.final_norm  # its computation in one fused call (drafting calls this per drafted column)
-        normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
-        return torch.nn.functional.linear(norm.weight * normed.to(hidden.dtype), rows)
+        return torch.nn.functional.linear(self.final_norm.weight * self._unit_norm(hidden), self._visual_rows())
 
     def guided_visual_logits(self, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         """Classifier-free guidance from stacked [cond; uncond] pre-norm states (2B, ..., D) -> guided logits
         (B, ..., num_visual), equal to `guide(visual_logits(hidden), cfg_scale)`: the head is linear after the norm,
         so the two rows are mixed before the projection (half of it; drafting calls this per drafted column)."""
-        g, norm = self.grid, self.final_norm
-        rows = self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
-        normed = torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, norm.variance_epsilon)
-        cond, uncond = normed.chunk(2, dim=0)
-        return torch.nn.functional.linear(norm.weight * torch.lerp(uncond, cond, cfg_scale).to(hidden.dtype), rows)
+        cond, uncond = self._unit_norm(hidden).chunk(2, dim=0)
+        return torch.nn.functional.linear(self.final_norm.weight * torch.lerp(uncond, cond, cfg_scale),
+                                          self._visual_rows())
+
+    def _unit_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMS norm without its weight, in one fused call, in float32, back in the states' dtype."""
+        eps = self.final_norm.variance_epsilon
+        return torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, eps).to(hidden.dtype)
+
+    def _visual_rows(self) -> torch.Tensor:
+        g = self.grid
+        return self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
 
     @property
     def hidden_size(self) -> int:

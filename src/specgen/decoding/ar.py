@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image, guided_logits
-from specgen.decoding.sampling import sample
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
+from specgen.decoding.sampling import guided_logits, sample
 from specgen.decoding.state import prompt_rows
 from specgen.utils.validate import expect_float
 

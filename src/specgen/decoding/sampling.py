@@ -10,6 +10,14 @@ def guide(logits: torch.Tensor, cfg_scale: float) -> torch.Tensor:
     return uncond + cfg_scale * (cond - uncond)
 
 
+def guided_logits(backbone, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
+    """Guided visual-code logits from stacked [cond; uncond] pre-norm states (2B, ..., D) -> (B, ..., num_visual):
+    the backbone's `guided_visual_logits` where it has one (a linear head: the rows are mixed before the projection,
+    half of it), else `guide` on its `visual_logits`."""
+    fast = getattr(backbone, "guided_visual_logits", None)
+    return fast(hidden, cfg_scale) if fast is not None else guide(backbone.visual_logits(hidden), cfg_scale)
+
+
 def warp(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
     """Temperature and top-k on (..., V) logits; temperature 0 means greedy (returned unchanged)."""
     if temperature < 0:

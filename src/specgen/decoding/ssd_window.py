@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.decoding.sampling import accept_or_resample, sample_probs, typical_accept
+from specgen.decoding.ssd_pass_stats import PassStats
 from specgen.decoding.state import SpecState
 
 
@@ -95,15 +96,7 @@ class CarryWindow:
         self.pos = torch.zeros(0, dtype=torch.long, device=dev)  # (n,) union window, ascending
         self.prop = torch.zeros(B, 0, g.num_visual, device=dev)  # (B, n, V) proposal of each window token
         self.fresh = torch.zeros(B, 0, dtype=torch.bool, device=dev)  # (B, n) drafted, not judged yet
-        # where the passes go, per image: tokens judged fresh (proposal q) or carried (proposal: the last p), how many
-        # of each changed, tokens finalised, and passes whose first change fell on a fresh draft
-        self.counts = {k: torch.zeros(B, device=dev) for k in
-                       ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed",
-                        "unchecked", "single", "after", "after_changed", "sibling_hits")}
-        # cascades: per image, tokens judged and changed by their distance from the window's first token (the one
-        # after the last pass's first change), fresh [0] and carried [1]; distances from 2W on share the last bin
-        self.by_distance = torch.zeros(B, 2, 2, 2 * g.width, device=dev)  # (B, fresh/carried, judged/changed, d)
-        self.last_changed = torch.zeros(B, dtype=torch.bool, device=dev)  # the image's last pass changed a token
+        self.stats = PassStats(B, g.width, dev)  # where the passes go (`pass_stats`)
         # max_fed, per image (so that an image's passes are those of batch-1 decoding): its first slot whose state
         # is stale, and how far its states were ever computed (a row is drafted from the row above once it was)
         self.stale = torch.full((B,), g.prefix_len, dtype=torch.long, device=dev)
@@ -235,16 +228,7 @@ class CarryWindow:
         # image waits without a pass, as if its next row came at once, so its draws stay its own
         held = self.wants()
         act = (self.live() & ~held).nonzero().flatten()
-        if self.rule.max_fed is None:
-            judged = torch.ones(st.B, pos.numel(), dtype=torch.bool, device=pos.device)
-            p = st.dist(st.hid[:, pos - 1])  # (B, n, V): each window token from the state before it
-        else:  # each image's tokens up to its own end: the state before each of them is current
-            ends = self.image_ends()
-            judged = pos[None] <= ends[:, None]  # (B, n)
-            cols = judged.any(0)
-            p = st.dist(st.hid[:, pos[cols] - 1])  # (B, n', V), zeros at the slots no image judges (never read)
-            if not bool(cols.all()):
-                p = p.new_zeros(p.shape[0], pos.numel(), p.shape[-1]).index_copy_(1, cols.nonzero().flatten(), p)
+        judged, ends, p = self._judged()
         cur = st.visual(pos)
         new = cur.clone()
         redrafts = []
@@ -259,8 +243,9 @@ class CarryWindow:
             new[b, own] = nb[0]
             changed = nb[0] != cur[b, own]
             first = int(changed.float().argmax()) if changed.any() else own.numel() - 1
-            self._count(b, own, changed, first)
-            if self.rule.max_fed is not None:  # stale from its first change on, else from where its pass ended
+            self.stats.record(b, self.fresh[b, own], changed, first)
+            self.fresh[b, own] = False
+            if ends is not None:  # max_fed: stale from its first change on, else from where its pass ended
                 self.stale[b] = pos[own[first]] if changed.any() else ends[b]
                 self.seen[b] = torch.maximum(self.seen[b], ends[b])
             if states is not None and changed.any():  # the token after the change, judged in this pass
@@ -269,15 +254,7 @@ class CarryWindow:
             kept = self._cap_rows(b, own, int(front[b]))
             if self.rule.redraft and changed.any() and not kept:
                 redrafts.append(self._redraft(b, window, first, new[b]))
-            r = int(self.first_row[b])
-            if r >= 0:  # the first judgement of each token of a freshly drafted row: its acceptance map
-                rows_, cols_ = g.row_col(pos[own])
-                row = (rows_ == r) & (pos[own] >= self.recorded[b])
-                accept_map[b, r, cols_[row]] = acc[0, row]
-                if row.any():
-                    self.recorded[b] = int(pos[own][row][-1]) + 1
-                if bool((pos[own] >= g.position(r, g.width - 1)).any()):  # its last token judged: the map is whole
-                    self.first_row[b] = -1
+            self._record_first_judgement(b, pos[own], acc[0], accept_map)
             if self.spent[b] <= self.rule.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
         st.set_tokens(pos, new)
@@ -291,6 +268,36 @@ class CarryWindow:
         self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
+
+    def _judged(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Which window tokens each image judges after this pass, (B, n); with `max_fed` the images' pass ends (B,)
+        (else None); and p (B, n, V), each judged token's distribution from the state before it (zeros at slots no
+        image judges: never read)."""
+        st, pos = self.st, self.pos
+        if self.rule.max_fed is None:  # every window token: the pass fed the whole window
+            return torch.ones(st.B, pos.numel(), dtype=torch.bool, device=pos.device), None, st.dist(st.hid[:, pos - 1])
+        ends = self.image_ends()
+        judged = pos[None] <= ends[:, None]  # each image's tokens up to its own end: the state before each is current
+        cols = judged.any(0)
+        p = st.dist(st.hid[:, pos[cols] - 1])
+        if not bool(cols.all()):
+            p = p.new_zeros(p.shape[0], pos.numel(), p.shape[-1]).index_copy_(1, cols.nonzero().flatten(), p)
+        return judged, ends, p
+
+    def _record_first_judgement(self, b: int, slots: torch.Tensor, accepted: torch.Tensor,
+                                accept_map: torch.Tensor) -> None:
+        """Image b's freshly drafted row: the acceptance of each of its tokens at its first judgement (judged at
+        `slots`, accepted or not), until the row's last token was judged (one pass without `max_fed`)."""
+        r, g = int(self.first_row[b]), self.st.g
+        if r < 0:
+            return
+        rows, cols = g.row_col(slots)
+        row = (rows == r) & (slots >= self.recorded[b])
+        accept_map[b, r, cols[row]] = accepted[row]
+        if row.any():
+            self.recorded[b] = int(slots[row][-1]) + 1
+        if bool((slots >= g.position(r, g.width - 1)).any()):  # its last token judged: the map is whole
+            self.first_row[b] = -1
 
     def _accept(self, b: int, own: torch.Tensor, cur: torch.Tensor, p: torch.Tensor):
         """Judge image b's window tokens (its slots `own`) against the pass's p: (1, n) tokens, (1, n) accepted."""
@@ -328,7 +335,7 @@ class CarryWindow:
         else:  # a carried token: typical under both typical rules
             out, _ = typical_accept(tok, target, rule.typical_epsilon, rule.typical_delta, gens)
         new[b, nxt] = out[0]
-        c_ = self.counts
+        c_ = self.stats.counts
         c_["sibling_hits"][b] += 1
         c_["finalised"][b] += 1
         c_["carried"][b] += 1
@@ -352,8 +359,8 @@ class CarryWindow:
         upto = min(self.st.g.position(front + 1, 0), int(self.drafted_upto[b]))  # through the row's end
         kept = int(((pos[own] >= start) & (pos[own] < upto)).sum())
         self.final_upto[b] = upto
-        self.counts["unchecked"][b] += kept
-        self.counts["finalised"][b] += kept
+        self.stats.counts["unchecked"][b] += kept
+        self.stats.counts["finalised"][b] += kept
         return kept
 
     def _redraft(self, b: int, own: torch.Tensor, first: int, tokens: torch.Tensor):
@@ -382,42 +389,6 @@ class CarryWindow:
         st.draft_calls += tail.numel()
         return b, tail, torch.stack(qs)
 
-    def _count(self, b: int, own: torch.Tensor, changed: torch.Tensor, first: int) -> None:
-        """Add image b's pass to its counts (its window slots `own`, which of them changed, the first change)."""
-        fresh, c = self.fresh[b, own], self.counts
-        c["fresh"][b] += fresh.sum()
-        c["fresh_changed"][b] += (changed & fresh).sum()
-        c["carried"][b] += (~fresh).sum()
-        c["carried_changed"][b] += (changed & ~fresh).sum()
-        c["finalised"][b] += first + 1
-        if changed.any():
-            c["changed"][b] += 1
-            c["first_on_fresh"][b] += fresh[first].float()
-        if self.last_changed[b]:  # the window's first token follows the last pass's first change
-            c["after"][b] += 1
-            c["after_changed"][b] += changed[0].float()
-        c["single"][b] += changed[0].float()  # the pass finalised only its first token, which changed
-        self.last_changed[b] = changed.any()
-        d = torch.arange(own.numel(), device=own.device).clamp_max(self.by_distance.shape[-1] - 1)
-        kind = (~fresh).long()  # 0 fresh, 1 carried
-        self.by_distance[b, :, 0].index_put_((kind, d), torch.ones_like(d, dtype=torch.float), accumulate=True)
-        self.by_distance[b, :, 1].index_put_((kind, d), changed.float(), accumulate=True)
-        self.fresh[b, own] = False
-
     def pass_stats(self) -> dict[str, torch.Tensor]:
-        """(B,) per image: change rates of fresh drafts and of carried tokens, tokens finalised per pass, the share
-        of passes with a change whose first change (what ends the pass's progress) was a fresh draft; cascades: the
-        share of passes that finalised only their first token (it changed; mostly the token after the last pass's
-        first change, judged again given its new left neighbour), and how often that token changes after a pass with
-        a change; (B, 2, 2, 2W) `change_by_distance`: tokens judged [.., 0, d] and changed [.., 1, d], fresh [:, 0]
-        and carried [:, 1], by their distance d from the window's first token (from 2W on, the last bin)."""
-        c, div = self.counts, lambda a, b: a / b.clamp_min(1)  # noqa: E731
-        return {"fresh_change_rate": div(c["fresh_changed"], c["fresh"]),
-                "carried_change_rate": div(c["carried_changed"], c["carried"]),
-                "final_per_pass": div(c["finalised"], self.passes.float()),
-                "first_change_fresh": div(c["first_on_fresh"], c["changed"]),
-                "single_token_passes": div(c["single"], self.passes.float()),
-                "after_change_rate": div(c["after_changed"], c["after"]),
-                "change_by_distance": self.by_distance.clone(),
-                "unchecked_tokens": c["unchecked"].clone(),
-                "sibling_hits": div(c["sibling_hits"], self.passes.float())}
+        """Per image, where the passes went (`ssd_pass_stats.PassStats.summary`)."""
+        return self.stats.summary(self.passes)

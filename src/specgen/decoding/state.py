@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import (DiscreteBackbone, Prompts, PromptRows, embed_image, guided_logits,
-                                        weights_part)
-from specgen.decoding.sampling import guide, probs
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, PromptRows, embed_image, weights_part
+from specgen.decoding.sampling import guide, guided_logits, probs
 from specgen.utils.validate import expect_float
 
 
@@ -195,15 +194,15 @@ class SpecState:
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.
         `temperature` overrides the decoding temperature (drafts may be drawn colder than the target)."""
-        if self.reps == 2:  # guided, mixed before the head's projection where the backbone can
-            logits = guided_logits(self.bb, hidden, self.cfg_scale)
-            return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
-        return self.dist_logits(self.bb.visual_logits(hidden), temperature)
+        guided = self.reps == 2  # mixed before the head's projection where the backbone can (`guided_logits`)
+        logits = guided_logits(self.bb, hidden, self.cfg_scale) if guided else self.bb.visual_logits(hidden)
+        return self._warp(logits, temperature)
 
     def dist_logits(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., Vv) visual-code logits -> (B, ..., Vv) sampling distributions (guided, warped)."""
-        if self.reps == 2:
-            logits = guide(logits, self.cfg_scale)
+        return self._warp(guide(logits, self.cfg_scale) if self.reps == 2 else logits, temperature)
+
+    def _warp(self, logits: torch.Tensor, temperature: float | None) -> torch.Tensor:
         return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
 
     def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor, images: torch.Tensor | None = None) -> None:
