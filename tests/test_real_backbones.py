@@ -271,10 +271,13 @@ def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(t
     """data.stream=true on a tiny Emu3 folder: the shards hold the sampled tokens only, the module's frozen backbone
     recomputes the states, and a training step sees the same batches and losses as the in-memory shards (up to their
     fp16 rounding); the size estimate is printed before sampling and a deleted shard alone is written again."""
+    import zipfile
+
     import numpy as np
 
     from specgen.modules.distill_data import DistillDataModule
     from specgen.modules.distill_module import DistillModule
+    from specgen.utils.checkpoints import compact_ints
 
     path = build_tiny("emu3", tmp_path / "emu3", side=4, sharpen=3.0)
     prompts = tmp_path / "prompts.txt"
@@ -293,6 +296,12 @@ def test_streamed_teacher_data_trains_on_the_same_batches_and_resumes_by_shard(t
     assert "MB a sequence in fp16, are recomputed" in printed and "training loads all 9 sequences" in printed
     streamed = np.load(dms[True].shard_path("train", 1))
     assert set(streamed.files) == {"codes", "ids", "prompts"} and streamed["codes"].shape == (3, 4, 4)
+    # compressed, the ids in the narrowest of int16 / int32 that holds them (a real vocabulary can pass int16)
+    widest = max(int(streamed[k].max()) for k in ("codes", "ids"))
+    assert {streamed[k].dtype for k in ("codes", "ids")} == {np.dtype(np.int16 if widest < 2 ** 15 else np.int32)}
+    assert compact_ints(np.array([0, 2 ** 15])).dtype == np.int32 and compact_ints(np.array([-3, 511])).dtype == np.int16
+    with zipfile.ZipFile(dms[True].shard_path("train", 1)) as z:
+        assert all(i.compress_type == zipfile.ZIP_DEFLATED for i in z.infolist())
     torch.manual_seed(0)
     module = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG).eval()
     batched = DistillModule(FPhi(64, "xs"), None, None, generator=gen, cfg_scale=CFG, state_batch=2).eval()

@@ -10,11 +10,16 @@
 #   bash experiments/gpu_retrain/drafter.sh                 # checkpoints/fphi_gpu*/, logs under $LOGS
 #   DEADLINE=900 bash experiments/gpu_retrain/drafter.sh    # seconds for the whole script (default 540)
 #   SMOKE=1 bash experiments/gpu_retrain/drafter.sh         # a few steps of each stage on the CPU (checks the chain)
+#   INIT=fphi_gpu SHARDS=24 bash experiments/gpu_retrain/drafter.sh   # continue the shipped drafter on 24 shards
+# Teacher shards already in data/distill are used as they are, the stage samples only the missing ones: shards
+# sampled on the CPU (`python -m specgen.train experiment=fphi_cpu prepare_only=true data.train_shards=24`, about 5
+# minutes and 0.8 MB a shard of 2048) and carried to the GPU machine leave its time to the training steps.
 set -u
 PY=${PY:-python}
 LOGS=${LOGS:-logs/gpu_drafter}
 SMOKE=${SMOKE:-0}
 DEADLINE=${DEADLINE:-540}
+INIT=${INIT:-fphi_accept}  # the drafter the three runs start from (a folder under checkpoints/)
 T0=$(date +%s)
 mkdir -p "$LOGS" && LOGS=$(cd "$LOGS" && pwd)
 : > "$LOGS/status.txt"
@@ -71,7 +76,7 @@ guard=$(( $(left) - 15 ))
 train() {  # train <name> <overrides...>
   local name=$1; shift
   stage "$name" "$guard" $PY -m specgen.train experiment=fphi_accept $COMMON $DATA data.train_shards=$written \
-    'init_from=${paths.checkpoint_dir}/fphi_accept' module.state_batch=$STATE_BATCH callbacks.time_budget.seconds=$budget task_name=$name export_name=$name "$@" \
+    "init_from=\${paths.checkpoint_dir}/$INIT" module.state_batch=$STATE_BATCH callbacks.time_budget.seconds=$budget task_name=$name export_name=$name "$@" \
     hydra.run.dir="$LOGS/$name"
 }
 train fphi_gpu &

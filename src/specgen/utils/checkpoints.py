@@ -67,14 +67,22 @@ def atomic_write_csv(path: str | Path, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def atomic_savez(path: str | Path, **arrays) -> None:
-    """np.savez to a temp file in the same folder, then rename: a half-written file is never picked up."""
+def atomic_savez(path: str | Path, compress: bool = False, **arrays) -> None:
+    """np.savez (np.savez_compressed with `compress`) to a temp file in the same folder, then rename: a half-written
+    file is never picked up."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz")
     os.close(fd)
-    np.savez(tmp, **arrays)
+    (np.savez_compressed if compress else np.savez)(tmp, **arrays)
     os.replace(tmp, path)
+
+
+def compact_ints(a: np.ndarray) -> np.ndarray:
+    """Integer ids in int16 when every one fits (the embedded world's vocabulary), else int32 (a real backbone's)."""
+    a = np.asarray(a)
+    fits = a.size == 0 or (int(a.min()) >= np.iinfo(np.int16).min and int(a.max()) <= np.iinfo(np.int16).max)
+    return a.astype(np.int16 if fits else np.int32)
 
 
 def missing_shards(shard_path, counts: dict[str, int | range]) -> list[tuple[str, int]]:
