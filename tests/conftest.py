@@ -48,3 +48,15 @@ def tiny_exports(tmp_path_factory):
     mar_p2_cfg = {**mar_cfg, "patch_size": 2}
     export(root / "mar_p2", instantiate(mar_p2_cfg), mar_p2_cfg)
     return root
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_exports, tmp_path_factory):
+    """A distillation data module with one tiny train and one val shard of teacher samples."""
+    from specgen.modules.distill_data import DistillDataModule
+
+    dm = DistillDataModule(str(tiny_exports / "ar"), str(tiny_exports / "vq"), str(tmp_path_factory.mktemp("distill")),
+                           train_shards=1, val_shards=1, shard_size=4, sample_batch=4, cfg_scale=2.0, batch_size=2)
+    dm.prepare_data()
+    dm.setup()
+    return dm

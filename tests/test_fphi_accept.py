@@ -80,16 +80,6 @@ def test_guided_terms_match_a_hand_computation():
     assert torch.allclose(same["accept"], torch.ones(3)) and same["kl"].abs().max() < 1e-6
 
 
-@pytest.fixture(scope="module")
-def teacher(tiny_exports, tmp_path_factory):
-    """A distillation data module with one tiny train and one val shard of teacher samples."""
-    dm = DistillDataModule(str(tiny_exports / "ar"), str(tiny_exports / "vq"), str(tmp_path_factory.mktemp("distill")),
-                           train_shards=1, val_shards=1, shard_size=4, sample_batch=4, cfg_scale=2.0, batch_size=2)
-    dm.prepare_data()
-    dm.setup()
-    return dm
-
-
 def _module(tiny_exports, **kw):
     torch.manual_seed(0)
     return DistillModule(FPhi(64, "xs", context_kernel=kw.pop("context_kernel", None)), str(tiny_exports / "ar"),

@@ -892,22 +892,22 @@ def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_th
     assert seq["draft_calls"] == right_calls + (g.height - 1) * g.width
     assert one["draft_calls"] == right_calls + g.height - 1
     seen = []
-    column = d.down_column
+    step = d.down_step
 
-    def spy(trunk, hidden, left_embed):
-        seen.append(left_embed)
-        return column(trunk, hidden, left_embed)
+    def spy(trunk, hidden, left):  # left: the left neighbours' features, left_in of their embeddings
+        seen.append(left)
+        return step(trunk, hidden, left)
 
-    d.down_column = spy
+    d.down_step = spy
     codes, _ = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above", cfg_scale=1.0,
                             max_window_rows=1)  # a row is drafted once the rows above are final: the codes above
-    del d.down_column
+    del d.down_step
     assert len(seen) == g.height - 1 and seen[0].shape[:2] == (1, g.width)
     from specgen.backbones.protocol import embed_image
     for r, left in enumerate(seen, start=1):  # row r's left inputs: [token before the row, x_{r-1, 0..W-2}]
         before = g.eol_token if g.eol_id is not None else codes[0, r - 1, -1]
-        want = embed_image(m, torch.cat([torch.tensor([before]), codes[0, r - 1, :-1]])[None])
-        assert torch.allclose(left, want)
+        want = d.left_in(embed_image(m, torch.cat([torch.tensor([before]), codes[0, r - 1, :-1]])[None]))
+        assert torch.allclose(left, want, atol=1e-6)
     with pytest.raises(ValueError, match="left_draft='diagonal' is not a way"):
         ssd.generate(m, p, d, carry=True, left_draft="diagonal")
     plain = noisy_drafter(m)  # no left context: a row is one call either way, and the option changes nothing
@@ -926,23 +926,23 @@ def test_left_draft_refine_drafts_a_down_row_twice_the_second_time_from_the_firs
     _, st = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="refine")
     assert st["draft_calls"] == g.width - 1 + 2 * (g.height - 1)
     seen = []
-    column = d.down_column
+    step = d.down_step
 
-    def spy(trunk, hidden, left_embed):
-        out = column(trunk, hidden, left_embed)
-        seen.append((left_embed, out))
+    def spy(trunk, hidden, left):  # left: the left neighbours' features, left_in of their embeddings
+        out = step(trunk, hidden, left)
+        seen.append((left, out))
         return out
 
-    d.down_column = spy
+    d.down_step = spy
     ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="refine", cfg_scale=1.0,
                  max_window_rows=1)
-    del d.down_column
+    del d.down_step
     assert len(seen) == 2 * (g.height - 1)
     from specgen.backbones.protocol import embed_image
     for (left1, out1), (left2, _) in zip(seen[::2], seen[1::2]):
         first = m.visual_logits(out1).argmax(-1)  # (1, W): the first call's most likely drafts (greedy q at T=0.5)
-        want = torch.cat([left1[:, :1], embed_image(m, first[:, :-1])], 1)
-        assert torch.allclose(left2, want)
+        want = torch.cat([left1[:, :1], d.left_in(embed_image(m, first[:, :-1]))], 1)
+        assert torch.allclose(left2, want, atol=1e-6)
 
 
 def test_siblings_judge_the_token_after_a_change_in_the_same_pass_and_keep_every_image_its_own():

@@ -88,37 +88,49 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
-    prev = st.seq[rep[:, 0], above[:, 0] + g.stride - 1]  # (S',) the token before column 0 (end-of-row or last)
-    if left_draft in ("above", "refine"):
-        left = torch.cat([prev[:, None], st.seq[rep, above[:, :-1]]], 1)  # (S', W): x_{r,c-1} guessed as x_{r-1,c-1}
-        q = st.dist(drafter.down_column(trunk, hidden, st.embed(left)), draft_temperature)  # (S, W, V)
+    k = getattr(drafter, "left_tokens", 1)
+    first = above[:, :1] + g.stride  # (S', 1): each row's column 0
+    before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k): the tokens before it
+    table = left_table(st, drafter)  # (k, image tokens, width): each token's features at each distance
+
+    def left_features(buf: torch.Tensor, c: int | slice) -> torch.Tensor:
+        """The left context of column(s) c from `buf` (S', k + W): the k known tokens, then the row's (guessed) ones."""
+        cols = torch.arange(g.width, device=buf.device)[c]
+        return sum(table[j - 1][buf[:, k + cols - j]] for j in range(1, k + 1))
+
+    if left_draft in ("above", "refine"):  # x_{r,c-j} guessed as x_{r-1,c-j}
+        buf = torch.cat([before, st.seq[rep, above]], 1)
+        q = st.dist(drafter.down_step(trunk, hidden, left_features(buf, slice(None))), draft_temperature)  # (S, W, V)
         st.draft_calls += 1
         if left_draft == "refine":  # once more, each left neighbour the first call's most likely draft
-            left = torch.cat([prev[:, None], q[:, :-1].argmax(-1).repeat(st.reps, 1)], 1)
-            q = st.dist(drafter.down_column(trunk, hidden, st.embed(left)), draft_temperature)
+            buf = torch.cat([before, q.argmax(-1).repeat(st.reps, 1)], 1)
+            q = st.dist(drafter.down_step(trunk, hidden, left_features(buf, slice(None))), draft_temperature)
             st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
-    table = left_table(st, drafter)  # (V, width): each visual code's left-neighbour features
-    left = drafter.left_in(st.embed(prev))  # column 0's: a forced token, or a code
-    u = uniform((len(images), g.width), st.image_gens(images), prev.device)  # (S, W): the columns' draws at once
+    buf = torch.cat([before, before.new_zeros(len(before), g.width)], 1)  # filled with the drafts column by column
+    u = uniform((len(images), g.width), st.image_gens(images), before.device)  # (S, W): the columns' draws at once
     for c in range(g.width):
-        state = drafter.down_step(trunk[:, c], hidden[:, c], left)  # (S', D)
+        state = drafter.down_step(trunk[:, c], hidden[:, c], left_features(buf, c))  # (S', D)
         q = st.dist(state, draft_temperature)  # (S, V)
         tok = inverse_cdf(q, u[:, c])
         codes.append(tok)
         qs.append(q)
-        left = table[tok].repeat(st.reps, 1)
+        buf[:, k + c] = tok.repeat(st.reps)
     st.draft_calls += g.width
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
 def left_table(st: SpecState, drafter) -> torch.Tensor:
-    """(V, width) `drafter.left_in` of every visual code's embedding, computed once per generation (`st.memo`): a row
-    drafted column by column looks its drafts' left-neighbour features up instead of computing them per column."""
+    """(k, image tokens, width): each left map of `drafter` (nearest first) applied to every image token's embedding
+    (visual codes, then the forced tokens), computed once per generation (`st.memo`): a row drafted column by column
+    looks its left context's features up instead of computing them per column."""
     if "left_table" not in st.memo:
-        codes = torch.arange(st.g.num_visual, device=st.seq.device)
-        st.memo["left_table"] = drafter.left_in(st.embed(codes))
+        g = st.g
+        tokens = torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device)
+        e = st.embed(tokens)
+        maps = drafter.left_maps() if hasattr(drafter, "left_maps") else [drafter.left_in]
+        st.memo["left_table"] = torch.stack([m(e) for m in maps])
     return st.memo["left_table"]
 
 

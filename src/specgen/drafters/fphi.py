@@ -12,7 +12,10 @@ the token before it in the sequence (its left neighbour in the row being drafted
 previous row's last token for column 0): the row is then drafted left to right, each column from the
 draft of the one before, so that a row's drafts agree with each other as the target judges them (it
 verifies column c given the drafted c - 1). The row trunk runs once per row; only a small head runs per
-column (`down_trunk`, `down_column`).
+column (`down_trunk`, `down_column`). `left_tokens=k` widens that to the k tokens before the drafted one (one
+linear map per distance, so a decoder looks each up in a table per distance), and `down_extra_blocks=n` deepens the
+row trunk by n residual blocks (with the row mixers); both start at zero, so a drafter grown from a trained one
+(`init_strict=false`) starts as that drafter. The trunk runs once per row, so its depth costs little when decoding.
 """
 from __future__ import annotations
 
@@ -88,8 +91,14 @@ class FPhi(nn.Module):
 
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = "",
-                 context_kernel: int | None = None, left_context: bool = False):
+                 context_kernel: int | None = None, left_context: bool = False, left_tokens: int = 1,
+                 down_extra_blocks: int = 0):
         super().__init__()
+        if left_tokens < 1 or (left_tokens > 1 and not left_context):
+            raise ValueError(f"left_tokens={left_tokens}: expected 1, or more with left_context=true (the tokens before "
+                             f"a down draft are its left context)")
+        if down_extra_blocks < 0 or (down_extra_blocks and "down" not in directions):
+            raise ValueError(f"down_extra_blocks={down_extra_blocks}: expected 0, or more with 'down' in directions")
         if context_kernel is not None and (context_kernel < 1 or context_kernel % 2 == 0):
             raise ValueError(f"context_kernel={context_kernel}: expected an odd kernel >= 1 (or null: point-wise)")
         if context_kernel and "down" not in directions:
@@ -104,16 +113,26 @@ class FPhi(nn.Module):
         for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
             nn.init.zeros_(net[-1].weight)
             nn.init.zeros_(net[-1].bias)
-        self.left_context = left_context
+        self.down_extra_blocks = down_extra_blocks
+        if down_extra_blocks:  # after the down net's own blocks; zero residuals: the net starts as the one without them
+            width = self.nets["down"][0].out_features
+            self.down_more = nn.Sequential(*[_Block(width, context_kernel) for _ in range(down_extra_blocks)])
+            for blk in self.down_more:
+                nn.init.zeros_(blk.mlp[-1].weight)
+                nn.init.zeros_(blk.mlp[-1].bias)
+        self.left_context, self.left_tokens = left_context, left_tokens
         if left_context:
             if "down" not in directions:
                 raise ValueError(f"left_context=true conditions the down direction, but directions={list(directions)}")
             width = self.nets["down"][0].out_features
             self.left_in = nn.Linear(hidden_size, width)  # embedding of the token before the drafted one
             self.left_block = _Block(width)
-            for lin in (self.left_in, self.left_block.mlp[-1]):  # zero: starts as the drafter without left context
+            # the tokens 2..k before the drafted one, each through its own map (no bias: left_in's serves them all)
+            self.left_far = nn.ModuleList([nn.Linear(hidden_size, width, bias=False) for _ in range(left_tokens - 1)])
+            for lin in (self.left_in, self.left_block.mlp[-1], *self.left_far):  # zero: starts without left context
                 nn.init.zeros_(lin.weight)
-                nn.init.zeros_(lin.bias)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
 
     def forward(self, hidden: torch.Tensor, next_embed: torch.Tensor, direction: str) -> torch.Tensor:
         """(..., D) pre-norm state at q and (..., D) embedding of x_{q+1} -> (..., D) predicted pre-norm state;
@@ -124,14 +143,23 @@ class FPhi(nn.Module):
             raise ValueError(f"f_phi.{direction} mixes context along a row: expected (..., W, D) inputs, got "
                              f"{tuple(hidden.shape)}")
         x = torch.cat([self.in_norm(hidden), next_embed], dim=-1)
-        return hidden + self.nets[direction](x)
+        net = self.nets[direction]
+        if direction == "down" and self.down_extra_blocks:
+            return hidden + net[-2:](self.down_more(net[:-2](x)))
+        return hidden + net(x)
+
+    def left_maps(self) -> list[nn.Linear]:
+        """The maps of the tokens before a down draft, nearest first (`left_in`, then `left_far`)."""
+        return [self.left_in, *self.left_far]
 
     def right(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         return self(hidden, next_embed, "right")
 
-    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor, left_embed: torch.Tensor | None = None) -> torch.Tensor:
+    def down(self, hidden: torch.Tensor, next_embed: torch.Tensor,
+             left_embed: torch.Tensor | list[torch.Tensor] | None = None) -> torch.Tensor:
         """Down drafts; with left context, `left_embed` (..., D) or (..., W, D) holds the embeddings of the tokens
-        before the drafted ones (teacher tokens in training; SSD drafts column by column instead)."""
+        before the drafted ones (teacher tokens in training; SSD drafts column by column instead), a list of
+        `left_tokens` such tensors (nearest first) where the drafter reads more than one."""
         if not self.left_context:
             return self(hidden, next_embed, "down")
         if left_embed is None:
@@ -144,11 +172,18 @@ class FPhi(nn.Module):
         if "down" in self.row_inputs and hidden.ndim < 3:
             raise ValueError(f"f_phi.down mixes context along a row: expected (..., W, D) inputs, got {tuple(hidden.shape)}")
         net = self.nets["down"]
-        return net[:-2](torch.cat([self.in_norm(hidden), next_embed], dim=-1))
+        trunk = net[:-2](torch.cat([self.in_norm(hidden), next_embed], dim=-1))
+        return self.down_more(trunk) if self.down_extra_blocks else trunk
 
-    def down_column(self, trunk: torch.Tensor, hidden: torch.Tensor, left_embed: torch.Tensor) -> torch.Tensor:
-        """Trunk features, the state above and the left neighbour's embedding -> the drafted pre-norm state."""
-        return self.down_step(trunk, hidden, self.left_in(left_embed))
+    def down_column(self, trunk: torch.Tensor, hidden: torch.Tensor,
+                    left_embed: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """Trunk features, the state above and the left neighbours' embeddings (one tensor, or `left_tokens` of them,
+        nearest first) -> the drafted pre-norm state."""
+        embeds = [left_embed] if torch.is_tensor(left_embed) else list(left_embed)
+        if len(embeds) != self.left_tokens:
+            raise ValueError(f"this f_phi reads the {self.left_tokens} tokens before a down draft, got {len(embeds)} "
+                             f"left embeddings")
+        return self.down_step(trunk, hidden, sum(m(e) for m, e in zip(self.left_maps(), embeds)))
 
     def down_step(self, trunk: torch.Tensor, hidden: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
         """`down_column` from the left neighbour's features `left_in(e)` (a decoder drafting a row column by column

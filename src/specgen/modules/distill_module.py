@@ -16,7 +16,10 @@ Two training-time fixes for how SSD uses the drafter: `rollout=k` chains the rig
 on its own predictions (the first row is drafted as such a chain; a one-step-trained drafter never sees
 its own outputs as inputs), and `input_noise` adds Gaussian noise (relative to the state's RMS) to
 the input states. The down direction is trained on whole rows (the row above -> the row), so a
-drafter with row context (`FPhi(context_kernel=k)`) sees what SSD gives it.
+drafter with row context (`FPhi(context_kernel=k)`) sees what SSD gives it; with left context, each down draft
+also gets the teacher's tokens before it (`FPhi(left_tokens=k)`: the k nearest). `directions` trains a subset of the
+drafter's directions (the others are neither scored nor in the optimiser: a drafter grown for one direction keeps
+the other as it was).
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ class DistillModule(L.LightningModule):
     def __init__(self, net: nn.Module, backbone_dir: str | None, tokenizer_dir: str | None, lr: float = 1e-3,
                  weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1,
                  guided_weight: float = 0.0, guided_loss: str = "kl", cfg_scale: float = 2.0,
-                 rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None, state_batch: int = 1):
+                 rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None, state_batch: int = 1,
+                 directions: list[str] | None = None):
         super().__init__()
         expect_int("module.state_batch", state_batch, 1)
         expect_float("module.lr", lr, 0.0)
@@ -67,6 +71,10 @@ class DistillModule(L.LightningModule):
             net = build(OmegaConf.to_container(net, resolve=True) if OmegaConf.is_config(net) else net)
         self.save_hyperparameters(ignore=["net"])
         self.net = net
+        have = list(getattr(net, "directions", ()))
+        if directions is not None and (not directions or set(directions) - set(have)):
+            raise ValueError(f"module.directions={list(directions)}: expected a non-empty subset of the drafter's "
+                             f"{have} (or null: train them all)")
         # The frozen teacher lives outside the module tree: never trained, never in a checkpoint.
         backbone = build(generator) if generator else load_shapes_generator(backbone_dir, tokenizer_dir)
         where = generator["weights_path"] if generator else backbone_dir
@@ -85,8 +93,9 @@ class DistillModule(L.LightningModule):
     def tasks(self) -> list[tuple[str, int]]:
         """(prediction name, sequence offset) pairs the drafter is trained on."""
         stride = self.backbone.grid.stride
+        train = self.hparams.get("directions") or self.net.directions  # the others stay as they are
         return [(name, stride if name == "down" else 1 if name == "right" else int(name.split("_")[-1]))
-                for name in self.net.directions]
+                for name in self.net.directions if name in train]
 
     def _visual(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.backbone.visual_logits(hidden).float()
@@ -110,8 +119,10 @@ class DistillModule(L.LightningModule):
         `rollout` chained steps for right."""
         if name == "down":
             h, e = self._rows(states), self._rows(embeds)
-            if getattr(self.net, "left_context", False):  # the token before each drafted one (teacher-forced)
-                return [(self.net.down(self._noisy(h), e, self._rows(embeds[:, off - 1:])), self._rows(states[:, off:]))]
+            if getattr(self.net, "left_context", False):  # the tokens before each drafted one (teacher-forced)
+                left = [self._rows(embeds[:, off - j:]) for j in range(1, getattr(self.net, "left_tokens", 1) + 1)]
+                return [(self.net.down(self._noisy(h), e, left if len(left) > 1 else left[0]),
+                         self._rows(states[:, off:]))]
             return [(self.net(self._noisy(h), e, name), self._rows(states[:, off:]))]
         pairs, h = [], self._noisy(states[:, :-off])
         steps = self.hparams.rollout if name == "right" else 1
@@ -185,5 +196,9 @@ class DistillModule(L.LightningModule):
         return {"backbone_id": self.backbone_id, "backbone_dir": self.hparams.backbone_dir}
 
     def configure_optimizers(self):
-        return adamw_warmup_cosine(self, self.net.parameters(), self.hparams.lr,
+        train = self.hparams.get("directions")
+        params = self.net.parameters() if not train else [p for n, p in self.net.named_parameters()
+                                                          if not any(n.startswith(f"nets.{d}.") for d in
+                                                                     set(self.net.directions) - set(train))]
+        return adamw_warmup_cosine(self, params, self.hparams.lr,
                                    self.hparams.warmup_steps, self.hparams.weight_decay, (0.9, 0.999))

@@ -1,0 +1,103 @@
+"""The `fphi_deep` drafter: a deeper down trunk and the k tokens before each down draft. It grows from a trained
+drafter (zero-initialised additions), reads exactly its k left tokens, is trained on them (teacher-forced, at each
+distance), SSD drafts with it column by column (greedy output equal to AR), and a distillation can train one
+direction only."""
+import pytest
+import torch
+
+from helpers import tiny_llama
+from specgen.backbones.protocol import embed_image
+from specgen.decoding import ar, ssd
+from specgen.decoding.sampling import make_rngs
+from specgen.drafters.fphi import FPhi
+from specgen.modules.distill_module import DistillModule
+
+
+def _deep(d=16, k=3, extra=2, **kw):
+    return FPhi(d, "xs", context_kernel=3, left_context=True, left_tokens=k, down_extra_blocks=extra, **kw)
+
+
+def test_deep_drafter_grows_from_the_left_context_one_and_reads_its_k_left_tokens():
+    torch.manual_seed(0)
+    base, deep = FPhi(16, "xs", context_kernel=3, left_context=True), _deep()
+    for p in base.parameters():  # a trained-looking drafter: every weight non-zero
+        torch.nn.init.normal_(p, std=0.1)
+    missing, unexpected = deep.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith(("down_more.", "left_far.")) for k in missing)
+    h, e = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
+    left = [torch.randn(2, 7, 16) for _ in range(3)]
+    assert torch.allclose(deep.down(h, e, left), base.down(h, e, left[0]), atol=1e-6)  # step 0: the base drafter
+    for p in (*deep.left_far.parameters(), *deep.down_more.parameters()):
+        torch.nn.init.normal_(p, std=0.1)
+    assert not torch.allclose(deep.down(h, e, left), base.down(h, e, left[0]), atol=1e-4)
+    for j in range(3):  # changing the j-th token before column 4 moves column 4's draft, no other column's
+        moved = [x.clone() for x in left]
+        moved[j][:, 4] += 1.0
+        diff = (deep.down(h, e, moved) - deep.down(h, e, left)).abs().sum(-1)
+        assert (diff[:, 4] > 0).all() and (diff[:, [0, 1, 2, 3, 5, 6]] == 0).all(), j
+    trunk = deep.down_trunk(h, e)  # the deeper trunk is what the column steps read
+    assert torch.allclose(deep.down_column(trunk, h, left), deep.down(h, e, left), atol=1e-6)
+    assert torch.allclose(deep(h, e, "down"), h + deep.nets["down"][-2:](trunk), atol=1e-6)
+
+
+def test_deep_drafter_errors_name_the_value():
+    with pytest.raises(ValueError, match="left_tokens=3"):
+        FPhi(16, "xs", left_tokens=3)
+    with pytest.raises(ValueError, match="down_extra_blocks=-1"):
+        FPhi(16, "xs", down_extra_blocks=-1)
+    with pytest.raises(ValueError, match="reads the 3 tokens before a down draft, got 1"):
+        d = _deep()
+        d.down(torch.randn(1, 5, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16))
+
+
+@pytest.mark.parametrize("eol", [True, False])
+def test_ssd_with_a_deep_drafter_equals_greedy_ar_and_drafts_with_it(eol):
+    m = tiny_llama(eol=eol)
+    torch.manual_seed(2)
+    d = _deep(m.hidden_size, k=4)
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    prompts = m.prompts(["a red circle", "two blue squares"])
+    ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
+    for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True},
+               {"rounds": 1, "carry": True, "left_draft": "above"}, {"rounds": 1, "carry": True, "left_draft": "refine"}):
+        assert torch.equal(ssd.generate(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
+    # sampled drafts come from the k-token drafter: zeroing its far left maps changes them
+    kw = dict(cfg_scale=2.0, rounds=1, carry=True)
+    for lin in d.left_far:  # far left tokens that matter
+        torch.nn.init.normal_(lin.weight, std=1.0)
+    out, _ = ssd.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
+    for lin in d.left_far:
+        torch.nn.init.zeros_(lin.weight)
+    near, _ = ssd.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
+    assert not torch.equal(out, near)
+
+
+def test_distillation_feeds_the_k_tokens_before_each_down_draft_and_can_train_one_direction(tiny_exports, teacher):
+    torch.manual_seed(0)
+    net = FPhi(64, "xs", left_context=True, left_tokens=3, down_extra_blocks=1)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    m = DistillModule(net, str(tiny_exports / "ar"), str(tiny_exports / "vq"), directions=["down"]).eval()
+    batch = next(iter(teacher.train_dataloader()))
+    g = m.backbone.grid
+    s = batch["states"].transpose(0, 1).flatten(0, 1)
+    e = embed_image(m.backbone, batch["ids"].repeat(2, 1))
+    idx = torch.tensor([r * g.stride + c for r in range(g.height - 1) for c in range(g.width)])
+
+    def rows(x, shift=0):
+        return x[:, idx + shift].view(len(x), g.height - 1, g.width, -1)
+
+    pred = net.down(rows(s), rows(e), [rows(e, g.stride - j) for j in (1, 2, 3)])  # the j-th token before each
+    target = rows(s, g.stride)
+    rms = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-3)
+    out = m.losses(batch)
+    assert torch.allclose(out["loss_feat_down"], ((pred - target) / rms).pow(2).mean(), atol=1e-5)
+    assert not any("right" in k for k in out)  # module.directions=[down]: the right direction is not trained
+    m.trainer = type("T", (), {"estimated_stepping_batches": 10, "max_steps": 10})()
+    trained = {id(p) for group in m.configure_optimizers()["optimizer"].param_groups for p in group["params"]}
+    assert trained and not any(id(p) in trained for p in net.nets["right"].parameters())
+    assert all(id(p) in trained for p in (*net.nets["down"].parameters(), *net.down_more.parameters(),
+                                          *net.left_far.parameters()))
+    with pytest.raises(ValueError, match=r"module.directions=\['up'\]"):
+        DistillModule(net, str(tiny_exports / "ar"), str(tiny_exports / "vq"), directions=["up"])
