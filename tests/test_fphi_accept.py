@@ -255,3 +255,21 @@ def test_dataset_source_teacher_forces_world_images_and_keeps_sampled_validation
     assert torch.allclose(torch.from_numpy(shard["states"][:, 0]).float(), states, atol=2e-2, rtol=1e-2)  # fp16
     with pytest.raises(ValueError, match="data.train_source='web'"):
         DistillDataModule("a", "b", "c", train_source="web")
+
+
+def test_drafter_report_reads_streamed_token_shards_as_their_states(tiny_exports, teacher, tmp_path):
+    """A token shard (data.stream=true) scores as the states shard of the same samples (the states recomputed by the
+    frozen backbone); a list mixing the two kinds is named."""
+    h = teacher.hparams
+    dm = DistillDataModule(str(tiny_exports / "ar"), str(tiny_exports / "vq"), h.cache_dir, train_shards=1,
+                           val_shards=1, shard_size=4, sample_batch=4, cfg_scale=2.0, stream=True)
+    dm.prepare_data()
+    states, tokens = teacher.shard_path("val", 0), dm.shard_path("val", 0)
+    assert tokens.name.endswith("_tokens.npz") and tokens.parent == states.parent
+    args = ["--drafters", str(tiny_exports / "fphi"), "--backbone", str(tiny_exports / "ar"),
+            "--tokenizer", str(tiny_exports / "vq"), "--cfg-scale", "2", "--out", str(tmp_path / "r.json")]
+    a = drafter_report.main(args + ["--shards", str(states)])[str(tiny_exports / "fphi")]
+    b = drafter_report.main(args + ["--shards", str(tokens)])[str(tiny_exports / "fphi")]
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-3) for k in a)
+    with pytest.raises(ValueError, match="give shards of one kind"):
+        drafter_report.main(args + ["--shards", str(states), str(tokens)])

@@ -101,3 +101,13 @@ def test_distillation_feeds_the_k_tokens_before_each_down_draft_and_can_train_on
                                           *net.left_far.parameters()))
     with pytest.raises(ValueError, match=r"module.directions=\['up'\]"):
         DistillModule(net, str(tiny_exports / "ar"), str(tiny_exports / "vq"), directions=["up"])
+
+
+def test_drafter_report_counts_the_deeper_trunk_and_the_left_block_per_down_draft():
+    from specgen.analysis.drafter_report import draft_flops, matmul_flops
+
+    d = _deep(16, k=3, extra=2)
+    per_block = matmul_flops(d.down_more[0])
+    assert per_block == 2 * (16 * 32 * 2 + 16 * 16 * 3)  # the block's MLP and its kernel-3 row mixer
+    assert draft_flops(d, "down") == matmul_flops(d.nets["down"]) + 2 * per_block + matmul_flops(d.left_block)
+    assert draft_flops(d, "right") == matmul_flops(d.nets["right"])  # the left maps are lookups: never counted

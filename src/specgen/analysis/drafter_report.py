@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from specgen.modules.distill_data import DistillDataModule, TeacherShards
+from specgen.modules.distill_data import DistillDataModule, teacher_dataset
 from specgen.modules.distill_module import DistillModule
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 
@@ -34,6 +34,13 @@ def matmul_flops(module: nn.Module) -> int:
     return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
 
 
+def draft_flops(net: nn.Module, direction: str) -> int:
+    """Matmul FLOPs per drafted token of one direction: its net, and for a down draft the deeper trunk and the left
+    block where the drafter has them (the left maps are table lookups when decoding: not counted)."""
+    extra = [getattr(net, name) for name in ("down_more", "left_block") if hasattr(net, name)] if direction == "down" else []
+    return matmul_flops(net.nets[direction]) + sum(matmul_flops(m) for m in extra)
+
+
 def backbone_flops(backbone) -> int:
     """Per-token matmul FLOPs of the backbone's blocks and head (the embedding table is a lookup)."""
     return matmul_flops(backbone.model.model.layers) + matmul_flops(backbone.model.lm_head)
@@ -43,11 +50,12 @@ def backbone_flops(backbone) -> int:
 def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: list[str], cfg_scale: float,
              batch_size: int = 16) -> dict:
     """Mean per-direction metrics of one exported drafter over the shards' sequences."""
-    module = DistillModule(load_exported(drafter_dir), backbone_dir, tokenizer_dir, cfg_scale=cfg_scale)
+    module = DistillModule(load_exported(drafter_dir), backbone_dir, tokenizer_dir, cfg_scale=cfg_scale,
+                           state_batch=batch_size)  # token shards: the states of a batch in one teacher call
     module.eval()
     sums: dict[str, float] = {}
     n = 0
-    for batch in DataLoader(TeacherShards([Path(s) for s in shards]), batch_size=batch_size):
+    for batch in DataLoader(teacher_dataset([Path(s) for s in shards]), batch_size=batch_size):  # states, or tokens
         out = module.losses(batch)
         for key, value in out.items():
             if key.split("_")[0] in ("top1", "accept", "loss") and "chain" not in key and key != "loss":
@@ -59,7 +67,7 @@ def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: li
                 "backbone_params": sum(p.numel() for p in bb.parameters()),
                 "backbone_flops_per_token": backbone_flops(bb)})
     for d in net.directions:
-        row[f"flops_per_draft_{d}"] = matmul_flops(net.nets[d])
+        row[f"flops_per_draft_{d}"] = draft_flops(net, d)
     return row
 
 
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafters", nargs="+", required=True, help="exported drafter folders")
     ap.add_argument("--backbone", required=True)
     ap.add_argument("--tokenizer", required=True)
-    ap.add_argument("--shards", nargs="+", default=None, help="held-out teacher shards (val_*.npz)")
+    ap.add_argument("--shards", nargs="+", default=None, help="held-out teacher shards (val_*.npz, or streamed val_*_tokens.npz)")
     ap.add_argument("--val-sequences", type=int, default=None, metavar="N",
                     help="instead of --shards: sample (or reuse) one validation shard of N sequences from the backbone "
                          "at --cfg-scale into --cache-dir, as the distillation stage writes it")

@@ -88,6 +88,19 @@ class TeacherTokens(Dataset):
                 "ids": torch.from_numpy(self.ids[i].astype(np.int64)), "prompt": str(self.prompts[i])}
 
 
+def teacher_dataset(files: list[Path]) -> TeacherShards | TeacherTokens:
+    """The dataset of teacher shards as written: states (`TeacherShards`) or, streamed, tokens (`TeacherTokens`);
+    shards of both kinds in one list are an error."""
+    kinds = set()
+    for f in files:
+        with np.load(f) as z:
+            kinds.add("states" if "states" in z.files else "tokens" if "codes" in z.files else f"neither ({f})")
+    if len(kinds) != 1 or not kinds <= {"states", "tokens"}:
+        raise ValueError(f"teacher shards {[str(f) for f in files]} hold {sorted(kinds)}: give shards of one kind, all "
+                         f"with states or all with tokens (data.stream=true writes *_tokens.npz)")
+    return TeacherShards(files) if kinds == {"states"} else TeacherTokens(files)
+
+
 def image_states_len(grid) -> int:
     """Teacher states (and predicted image tokens) per sequence: from the last prompt slot to the last visual token."""
     g = grid.at(0)
