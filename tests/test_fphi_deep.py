@@ -111,3 +111,35 @@ def test_drafter_report_counts_the_deeper_trunk_and_the_left_block_per_down_draf
     assert per_block == 2 * (16 * 32 * 2 + 16 * 16 * 3)  # the block's MLP and its kernel-3 row mixer
     assert draft_flops(d, "down") == matmul_flops(d.nets["down"]) + 2 * per_block + matmul_flops(d.left_block)
     assert draft_flops(d, "right") == matmul_flops(d.nets["right"])  # the left maps are lookups: never counted
+
+
+def test_sure_accept_with_drafted_left_context_drafts_each_row_from_its_own_drafts(tmp_path, tiny_exports):
+    """--left drafted: with the left maps at zero the drafts cannot see their left tokens, so the report equals the
+    teacher-forced one; once the far maps read them, it does not; a drafter without left context is named."""
+    from specgen.analysis import sure_accept
+    from specgen.utils.checkpoints import export
+
+    torch.manual_seed(0)
+    cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs", "context_kernel": 3,
+           "left_context": True, "left_tokens": 2, "down_extra_blocks": 1}
+    d = FPhi(64, "xs", context_kernel=3, left_context=True, left_tokens=2, down_extra_blocks=1)
+    for n, p in d.named_parameters():
+        if not n.startswith(("left_in.", "left_far.")):
+            torch.nn.init.normal_(p, std=0.05)
+    export(tmp_path / "blind", d, cfg)
+    for lin in d.left_far:
+        torch.nn.init.normal_(lin.weight, std=1.0)
+    export(tmp_path / "sees", d, cfg)
+    base = ["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"), "--images", "2"]
+
+    def run(name, left):
+        res = sure_accept.main(["--drafter", str(tmp_path / name), *base, "--left", left,
+                                "--out", str(tmp_path / f"{name}_{left}.json")])
+        assert res["left"] == left
+        return res["splits"]["all"]
+
+    assert run("blind", "drafted") == pytest.approx(run("blind", "teacher"), abs=1e-6)
+    assert run("sees", "drafted")["accept"] != pytest.approx(run("sees", "teacher")["accept"], abs=1e-6)
+    with pytest.raises(ValueError, match="has no left context"):
+        sure_accept.main(["--drafter", str(tiny_exports / "fphi"), *base, "--left", "drafted",
+                          "--out", str(tmp_path / "x.json")])

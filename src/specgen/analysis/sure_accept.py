@@ -10,6 +10,11 @@ q are CFG-guided.
 
     python -m specgen.analysis.sure_accept --drafter checkpoints/fphi_accept --backbone checkpoints/ar_shapes \\
         --tokenizer checkpoints/vq_shapes --images 48 --out logs/sure_accept/fphi_accept.json
+
+`--left drafted` (drafters with left context): each row is drafted column by column as SSD drafts it, the tokens
+before a column being the row's own drafts (sampled from q at `--draft-temperature`; the teacher's before column 0),
+while p stays the target's on the teacher's row: how much of the teacher-forced acceptance survives drafted left
+context.
 """
 from __future__ import annotations
 
@@ -58,15 +63,41 @@ def split_means(terms: dict[str, torch.Tensor], threshold: float) -> dict[str, d
     return out
 
 
+def drafted_left_pred(module: DistillModule, states: torch.Tensor, embeds: torch.Tensor, cfg_scale: float,
+                      draft_temperature: float, gen: torch.Generator) -> torch.Tensor:
+    """Down drafts (2B, H - 1, W, D) of every row, column by column, each column's left tokens the row's own drafts
+    before it (drawn from the guided q at `draft_temperature`; the teacher's tokens before column 0)."""
+    net, bb = module.net, module.backbone
+    off, width = bb.grid.stride, bb.grid.width
+    h, e = module._rows(states), module._rows(embeds)
+    trunk = net.down_trunk(h, e)
+    teacher_left = [module._rows(embeds[:, off - j:]) for j in range(1, net.left_tokens + 1)]
+    drafted, cols = [], []
+    for c in range(width):
+        left = [drafted[c - j] if c - j >= 0 else teacher_left[j - 1][:, :, c] for j in range(1, net.left_tokens + 1)]
+        state = net.down_step(trunk[:, :, c], h[:, :, c], sum(m(x) for m, x in zip(net.left_maps(), left)))
+        q = (guide(module._visual(state), cfg_scale) / draft_temperature).softmax(-1)  # (B, H - 1, V)
+        tok = torch.multinomial(q.flatten(0, -2), 1, generator=gen).view(q.shape[:-1])
+        drafted.append(embed_image(bb, tok).float().repeat(len(states) // len(q), 1, 1))  # both CFG branches
+        cols.append(state)
+    return torch.stack(cols, 2)
+
+
 @torch.inference_mode()
 def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int, cfg_scale: float,
-            draft_temperature: float, threshold: float, seed: int = 0, batch: int = 8) -> dict:
+            draft_temperature: float, threshold: float, seed: int = 0, batch: int = 8, left: str = "teacher") -> dict:
     """The splits of the drafter's down drafts over `images` AR samples (held-out prompts, per-image seeds)."""
     module = DistillModule(load_exported(drafter_dir).eval(), backbone_dir, tokenizer_dir, cfg_scale=cfg_scale)
     module.setup()
     module.eval()
     if "down" not in module.net.directions:
         raise ValueError(f"{drafter_dir} drafts {list(module.net.directions)}: this report needs a down direction")
+    if left == "drafted" and not getattr(module.net, "left_context", False):
+        raise ValueError(f"--left drafted: {drafter_dir} has no left context (its down drafts read no left tokens); "
+                         f"use --left teacher")
+    if left == "drafted" and cfg_scale == 1.0:
+        raise ValueError("--left drafted needs CFG (--cfg-scale other than 1): its drafts are drawn from the guided q")
+    gen = torch.Generator().manual_seed(seed)
     bb = module.backbone
     prompts = [m["prompt"] for m in mixed_prompts("test", images, seed)]
     parts: dict[str, list[torch.Tensor]] = {}
@@ -75,12 +106,15 @@ def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int
         codes, _ = ar.generate(bb, bb.prompts(chunk), cfg_scale=cfg_scale,
                                rngs=make_rngs([seed * 100_003 + i + k for k in range(len(chunk))]))
         states, ids = image_states(bb, bb.prompts(chunk).rows(True), codes)  # [cond; uncond] (CFG 1: cond only)
-        (pred, target), = module._pairs("down", bb.grid.stride, states.float(), embed_image(bb, ids).float())
+        states, embeds = states.float(), embed_image(bb, ids).float()
+        (pred, target), = module._pairs("down", bb.grid.stride, states, embeds)
+        if left == "drafted":
+            pred = drafted_left_pred(module, states, embeds, cfg_scale, draft_temperature, gen)
         terms = position_terms(module._visual(target), module._visual(pred), cfg_scale, draft_temperature)
         for k, v in terms.items():
             parts.setdefault(k, []).append(v.flatten())
     terms = {k: torch.cat(v) for k, v in parts.items()}
-    return {"drafter": drafter_dir, "images": images, "positions": int(terms["max_p"].numel()),
+    return {"drafter": drafter_dir, "images": images, "left": left, "positions": int(terms["max_p"].numel()),
             "threshold": threshold, "draft_temperature": draft_temperature, "cfg_scale": cfg_scale,
             "splits": split_means(terms, threshold)}
 
@@ -95,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-temperature", type=float, default=0.5)
     ap.add_argument("--threshold", type=float, default=0.9, help="'sure': the target's largest probability above this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--left", choices=("teacher", "drafted"), default="teacher",
+                    help="a down draft's left tokens: the teacher's, or the row's own drafts (as SSD drafts a row)")
     ap.add_argument("--out", required=True, help="json file to write")
     args = ap.parse_args(argv)
     if args.images < 1:
@@ -102,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.draft_temperature <= 0 or not 0 < args.threshold < 1:
         ap.error(f"--draft-temperature {args.draft_temperature} must be > 0 and --threshold {args.threshold} in (0, 1)")
     out = measure(args.drafter, args.backbone, args.tokenizer, args.images, args.cfg_scale, args.draft_temperature,
-                  args.threshold, args.seed)
+                  args.threshold, args.seed, left=args.left)
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(out, indent=2))
