@@ -143,3 +143,24 @@ def test_sure_accept_with_drafted_left_context_drafts_each_row_from_its_own_draf
     with pytest.raises(ValueError, match="has no left context"):
         sure_accept.main(["--drafter", str(tiny_exports / "fphi"), *base, "--left", "drafted",
                           "--out", str(tmp_path / "x.json")])
+
+
+def test_drafted_left_training_drafts_each_row_from_its_own_drafts(tiny_exports, teacher):
+    """module.drafted_left: with the left maps at zero the drafted-left loss is the teacher-forced one; once the far
+    maps read the left tokens it differs, and the loss reaches the left maps' weights."""
+    torch.manual_seed(0)
+    net = FPhi(64, "xs", left_context=True, left_tokens=2)
+    for n, p in net.named_parameters():
+        if not n.startswith(("left_in.", "left_far.")):
+            torch.nn.init.normal_(p, std=0.05)
+    batch = next(iter(teacher.train_dataloader()))
+    kw = dict(backbone_dir=str(tiny_exports / "ar"), tokenizer_dir=str(tiny_exports / "vq"), directions=["down"],
+              cfg_scale=2.0)
+    forced, drafted = DistillModule(net, **kw).eval(), DistillModule(net, drafted_left=True, **kw).eval()
+    assert torch.allclose(drafted.losses(batch)["loss"], forced.losses(batch)["loss"], atol=1e-6)
+    for lin in net.left_maps():
+        torch.nn.init.normal_(lin.weight, std=0.5)
+    loss = drafted.losses(batch)["loss"]
+    assert not torch.allclose(loss, forced.losses(batch)["loss"], atol=1e-4)
+    loss.backward()
+    assert all(lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0 for lin in net.left_maps())

@@ -63,26 +63,6 @@ def split_means(terms: dict[str, torch.Tensor], threshold: float) -> dict[str, d
     return out
 
 
-def drafted_left_pred(module: DistillModule, states: torch.Tensor, embeds: torch.Tensor, cfg_scale: float,
-                      draft_temperature: float, gen: torch.Generator) -> torch.Tensor:
-    """Down drafts (2B, H - 1, W, D) of every row, column by column, each column's left tokens the row's own drafts
-    before it (drawn from the guided q at `draft_temperature`; the teacher's tokens before column 0)."""
-    net, bb = module.net, module.backbone
-    off, width = bb.grid.stride, bb.grid.width
-    h, e = module._rows(states), module._rows(embeds)
-    trunk = net.down_trunk(h, e)
-    teacher_left = [module._rows(embeds[:, off - j:]) for j in range(1, net.left_tokens + 1)]
-    drafted, cols = [], []
-    for c in range(width):
-        left = [drafted[c - j] if c - j >= 0 else teacher_left[j - 1][:, :, c] for j in range(1, net.left_tokens + 1)]
-        state = net.down_step(trunk[:, :, c], h[:, :, c], sum(m(x) for m, x in zip(net.left_maps(), left)))
-        q = (guide(module._visual(state), cfg_scale) / draft_temperature).softmax(-1)  # (B, H - 1, V)
-        tok = torch.multinomial(q.flatten(0, -2), 1, generator=gen).view(q.shape[:-1])
-        drafted.append(embed_image(bb, tok).float().repeat(len(states) // len(q), 1, 1))  # both CFG branches
-        cols.append(state)
-    return torch.stack(cols, 2)
-
-
 @torch.inference_mode()
 def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int, cfg_scale: float,
             draft_temperature: float, threshold: float, seed: int = 0, batch: int = 8, left: str = "teacher") -> dict:
@@ -109,7 +89,7 @@ def measure(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, images: int
         states, embeds = states.float(), embed_image(bb, ids).float()
         (pred, target), = module._pairs("down", bb.grid.stride, states, embeds)
         if left == "drafted":
-            pred = drafted_left_pred(module, states, embeds, cfg_scale, draft_temperature, gen)
+            pred = module.down_drafted_left(states, embeds, draft_temperature, gen)
         terms = position_terms(module._visual(target), module._visual(pred), cfg_scale, draft_temperature)
         for k, v in terms.items():
             parts.setdefault(k, []).append(v.flatten())

@@ -19,7 +19,9 @@ the input states. The down direction is trained on whole rows (the row above -> 
 drafter with row context (`FPhi(context_kernel=k)`) sees what SSD gives it; with left context, each down draft
 also gets the teacher's tokens before it (`FPhi(left_tokens=k)`: the k nearest). `directions` trains a subset of the
 drafter's directions (the others are neither scored nor in the optimiser: a drafter grown for one direction keeps
-the other as it was).
+the other as it was). `drafted_left=True` trains (and validates) the down direction on its own drafted left context:
+each row is drafted column by column, the tokens before a column being the row's drafts at `draft_temperature`, as
+SSD drafts it (teacher-forced left tokens overstate acceptance when decoding: experiments/ssd_ablations).
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class DistillModule(L.LightningModule):
                  weight_decay: float = 0.0, warmup_steps: int = 100, kl_weight: float = 0.1,
                  guided_weight: float = 0.0, guided_loss: str = "kl", cfg_scale: float = 2.0,
                  rollout: int = 1, input_noise: float = 0.0, generator: dict | None = None, state_batch: int = 1,
-                 directions: list[str] | None = None):
+                 directions: list[str] | None = None, drafted_left: bool = False, draft_temperature: float = 0.5):
         super().__init__()
         expect_int("module.state_batch", state_batch, 1)
         expect_float("module.lr", lr, 0.0)
@@ -119,6 +121,9 @@ class DistillModule(L.LightningModule):
         `rollout` chained steps for right."""
         if name == "down":
             h, e = self._rows(states), self._rows(embeds)
+            if getattr(self.net, "left_context", False) and self.hparams.get("drafted_left"):
+                return [(self.down_drafted_left(states, embeds, self.hparams.draft_temperature),
+                         self._rows(states[:, off:]))]
             if getattr(self.net, "left_context", False):  # the tokens before each drafted one (teacher-forced)
                 left = [self._rows(embeds[:, off - j:]) for j in range(1, getattr(self.net, "left_tokens", 1) + 1)]
                 return [(self.net.down(self._noisy(h), e, left if len(left) > 1 else left[0]),
@@ -131,6 +136,27 @@ class DistillModule(L.LightningModule):
             pairs.append((h, states[:, k * off:]))
             h = h[:, :-off]
         return pairs
+
+    def down_drafted_left(self, states: torch.Tensor, embeds: torch.Tensor, draft_temperature: float,
+                          gen: torch.Generator | None = None) -> torch.Tensor:
+        """Down drafts (2B, H - 1, W, D) of every row, column by column as SSD drafts a row: each column's left tokens
+        are the row's own drafts before it (drawn from the guided q at `draft_temperature`, no gradient through the
+        draw; the teacher's tokens before column 0). States and embeddings stacked [cond; uncond] (CFG)."""
+        net, bb = self.net, self.backbone
+        off, width = bb.grid.stride, bb.grid.width
+        h, e = self._rows(self._noisy(states)), self._rows(embeds)
+        trunk = net.down_trunk(h, e)
+        teacher_left = [self._rows(embeds[:, off - j:]) for j in range(1, net.left_tokens + 1)]
+        drafted, cols = [], []
+        for c in range(width):
+            left = [drafted[c - j] if c - j >= 0 else teacher_left[j - 1][:, :, c] for j in range(1, net.left_tokens + 1)]
+            state = net.down_step(trunk[:, :, c], h[:, :, c], sum(m(x) for m, x in zip(net.left_maps(), left)))
+            with torch.no_grad():
+                q = (guide(self._visual(state), self.hparams.cfg_scale) / draft_temperature).softmax(-1)  # (B, H-1, V)
+                tok = torch.multinomial(q.flatten(0, -2), 1, generator=gen).view(q.shape[:-1])
+                drafted.append(embed_image(bb, tok).float().repeat(len(states) // len(q), 1, 1))  # both CFG branches
+            cols.append(state)
+        return torch.stack(cols, 2)
 
     @torch.no_grad()
     def batch_states(self, batch) -> torch.Tensor:
