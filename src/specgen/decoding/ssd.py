@@ -93,18 +93,20 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k): the tokens before it
     table = left_table(st, drafter)  # (k, image tokens, width): each token's features at each distance
 
-    def left_features(buf: torch.Tensor, c: int | slice) -> torch.Tensor:
-        """The left context of column(s) c from `buf` (S', k + W): the k known tokens, then the row's (guessed) ones."""
-        cols = torch.arange(g.width, device=buf.device)[c]
-        return sum(table[j - 1][buf[:, k + cols - j]] for j in range(1, k + 1))
+    def left_features(buf: torch.Tensor, c: int | None = None) -> torch.Tensor:
+        """The left context of column c (None: every column) from `buf` (S', k + W): the k known tokens, then the row's
+        (guessed) ones; the j-th token before column c is buf[:, k + c - j]."""
+        if c is None:
+            return sum(table[j - 1][buf[:, k - j:k - j + g.width]] for j in range(1, k + 1))
+        return sum(table[j - 1][buf[:, k + c - j]] for j in range(1, k + 1))
 
     if left_draft in ("above", "refine"):  # x_{r,c-j} guessed as x_{r-1,c-j}
         buf = torch.cat([before, st.seq[rep, above]], 1)
-        q = st.dist(drafter.down_step(trunk, hidden, left_features(buf, slice(None))), draft_temperature)  # (S, W, V)
+        q = st.dist(drafter.down_step(trunk, hidden, left_features(buf)), draft_temperature)  # (S, W, V)
         st.draft_calls += 1
         if left_draft == "refine":  # once more, each left neighbour the first call's most likely draft
             buf = torch.cat([before, q.argmax(-1).repeat(st.reps, 1)], 1)
-            q = st.dist(drafter.down_step(trunk, hidden, left_features(buf, slice(None))), draft_temperature)
+            q = st.dist(drafter.down_step(trunk, hidden, left_features(buf)), draft_temperature)
             st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
     codes, qs = [], []
