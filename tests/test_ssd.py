@@ -641,8 +641,14 @@ def test_row_passes_analysis_summarises_and_writes(tmp_path, tiny_exports):
         row_passes.parse_variant("rounds:0")
     out = row_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
                            "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
-                           "--variant", "a=rounds:0,carry:true", "--variant", "b=rounds:0,carry:true,redraft:2"])
-    assert list(out) == ["a", "b"]
+                           "--variant", "a=rounds:0,carry:true", "--variant", "b=rounds:0,carry:true,redraft:2",
+                           "--variant", f"c=rounds:0,carry:true,drafter:{tiny_exports / 'fphi'}"])
+    assert list(out) == ["a", "b", "c"]
+    # c is a with the same drafter given as a variant's: the same images, so a paired difference of exactly zero
+    assert out["c"]["image_passes"] == out["a"]["image_passes"] and len(out["a"]["image_passes"]) == 2
+    assert out["c"]["paired_vs"] == "a" and out["c"]["paired_diff"] == 0 and out["c"]["paired_diff_ci95"] == 0
+    diff = np.array(out["b"]["image_passes"]) - np.array(out["a"]["image_passes"])
+    assert out["b"]["paired_diff"] == pytest.approx(diff.mean()) and "paired_diff" not in out["a"]
 
 
 def test_grid_scaling_table_across_world_sizes(tmp_path, tiny_exports):

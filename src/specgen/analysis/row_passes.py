@@ -19,7 +19,10 @@ The strategies are the decoding configs `ssd` (the default) and `ssd_paper` as t
 (`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate`
 option sets (values parsed as YAML), e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2
 --variant dt05=rounds:0,carry:true,max_window_rows:2,draft_temperature:0.5`: every variant on the same prompts and
-per-image seeds.
+per-image seeds. A variant's `drafter:PATH` decodes it with that exported drafter instead of --drafter, so that
+two drafters are compared on the same prompts and seeds (`--strategy ssd --variant new=...,drafter:checkpoints/x`).
+Every strategy after the first also gets its paired difference of passes per image against the first (mean and 95%
+interval over the same prompts and seeds: tighter than comparing two intervals).
 """
 from __future__ import annotations
 
@@ -87,18 +90,34 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
                strategies: dict | None = None) -> dict:
     """Per strategy: passes (prefill included) when each row is final, per image (N, H), and their summary, with
     the tokens per image kept without a check against their final left context (`unchecked`, mean and 95%)."""
-    out = {}
+    out, drafters, totals = {}, {}, {}
     for name, options in (strategies or config_strategies()).items():
+        options = dict(options)
+        path = options.pop("drafter", None)  # a variant's own exported drafter
+        if path is not None and path not in drafters:
+            drafters[path] = load_exported(str(path)).eval()
+        net = drafter if path is None else drafters[path]
         rows, unchecked, cascades = [], [], []
         for i, text in enumerate(prompts):
-            _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
+            _, stats = ssd.generate(backbone, backbone.prompts([text]), net, cfg_scale=cfg_scale,
                                     rngs=make_rngs([seed + i]), **options)
             rows.append(stats["row_final_pass"][0].float())
             unchecked.append(float(stats["unchecked_tokens"][0]))
             if "change_by_distance" in stats:  # the carry window's pass statistics
                 cascades.append({k: stats[k] for k in ("single_token_passes", "after_change_rate",
                                                        "change_by_distance")})
-        out[name] = summarise(torch.stack(rows).numpy(), backbone.grid.width, options.get("rounds", 0))
+        passes = torch.stack(rows).numpy()
+        out[name] = summarise(passes, backbone.grid.width, options.get("rounds", 0))
+        if path is not None:
+            out[name]["drafter"] = str(path)
+        out[name]["image_passes"] = passes[:, -1].tolist()  # per prompt, in the prompts' order
+        totals[name] = passes[:, -1]
+        first = next(iter(totals))
+        if name != first:  # paired: the same prompts and per-image seeds
+            diff = totals[name] - totals[first]
+            out[name]["paired_vs"] = first
+            out[name]["paired_diff"] = float(diff.mean())
+            out[name]["paired_diff_ci95"] = float(mean_ci95(diff))
         out[name]["unchecked"] = float(np.mean(unchecked))
         out[name]["unchecked_ci95"] = float(mean_ci95(np.array(unchecked)))
         if cascades:
@@ -214,7 +233,9 @@ def main(argv: list[str] | None = None) -> dict:
         total = f"{r['passes'][-1]:.1f} +-{r['passes_ci95'][-1]:.1f}"
         print(f"{name:<22} {total:>14} {r['first_row_passes']:>6.1f} {r['passes_per_row']:>10.2f} "
               f"{r['rounds_plus_one']:>4d} " + " ".join(f"{r['ratio'][k - 1]:>7.2f}" for k in ks) +
-              f" {r['unchecked']:>7.1f} +-{r['unchecked_ci95']:.1f}")
+              f" {r['unchecked']:>7.1f} +-{r['unchecked_ci95']:.1f}" +
+              (f"  {r['paired_diff']:+.2f} +-{r['paired_diff_ci95']:.2f} passes vs {r['paired_vs']} (paired)"
+               if "paired_diff" in r else ""))
     carry = {name: r["cascades"] for name, r in result.items() if "cascades" in r}
     if carry:
         print("cascades (carry window): passes that finalised one token; change rate of the token after a pass's "
