@@ -1017,3 +1017,39 @@ def test_sibling_states_are_the_states_of_the_sequence_with_the_alternative_in_p
             st.target_pass(int(cols[j]) + 1)
             rows = torch.tensor([b, b + 2])
             torch.testing.assert_close(sib_states[rows, j], st.hid[rows, int(cols[j])], rtol=1e-5, atol=1e-5)
+
+
+def test_oracle_drafter_under_greedy_takes_one_pass_a_row_and_equals_ar(tmp_path, tiny_exports):
+    """The target as its own drafter (analysis.oracle_passes): under greedy decoding every draft is the target's
+    argmax given a final context, so each row is accepted in its first pass (prefill + H passes) and the image is
+    greedy AR's; with f_phi's first row, the rows below cost one pass each once the first row is final."""
+    import json
+
+    from specgen.analysis import oracle_passes
+    from specgen.backbones.loading import load_shapes_generator
+    from specgen.utils.checkpoints import load_exported
+
+    m = load_shapes_generator(str(tiny_exports / "ar"), str(tiny_exports / "vq"))
+    fphi = load_exported(str(tiny_exports / "fphi")).eval()
+    p = m.prompts(PROMPTS[:1])
+    kw = {**oracle_passes.strategies()["ssd"][0], "temperature": 0, "draft_temperature": None}
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    with oracle_passes.oracle_drafts("all"):
+        out, st = ssd.generate(m, p, fphi, cfg_scale=3.0, **{**kw, "redraft": 0})
+    assert torch.equal(out, ref) and st["nfe"] == 1 + m.grid.height
+    assert st["row_final_pass"][0].tolist() == list(range(2, m.grid.height + 2))
+    with oracle_passes.oracle_drafts("down"):
+        out, st = ssd.generate(m, p, fphi, cfg_scale=3.0, **kw)
+    first = int(st["row_final_pass"][0, 0])
+    assert torch.equal(out, ref) and st["nfe"] == first + m.grid.height - 1 and first > 2  # f_phi's row: >1 pass
+    assert ssd._draft_down.__name__ == "_draft_down"  # the block restored the decoder's drafters
+    with pytest.raises(ValueError, match="rows='up'"):
+        with oracle_passes.oracle_drafts("up"):
+            pass
+    res = oracle_passes.main(["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
+                              "--drafter", str(tiny_exports / "fphi"), "--prompts", "2", "--out", str(tmp_path),
+                              "--strategy", "ssd", "--strategy", "oracle_all"])
+    saved = json.loads((tmp_path / "oracle_passes.json").read_text())
+    assert list(saved) == ["ssd", "oracle_all"] and saved["oracle_all"]["oracle"] == "all"
+    diff = np.array(res["oracle_all"]["image_passes"]) - np.array(res["ssd"]["image_passes"])
+    assert res["oracle_all"]["paired_diff"] == pytest.approx(diff.mean())
