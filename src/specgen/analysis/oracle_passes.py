@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from specgen.analysis.row_passes import decoding_options, summarise
 from specgen.backbones.loading import load_shapes_generator
@@ -107,7 +108,7 @@ def oracle_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed:
     chosen = strategies() if names is None else {n: strategies()[n] for n in names}
     for name, (options, rows, temperature) in chosen.items():
         per_image = []
-        for i, text in enumerate(prompts):
+        for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
             run = oracle_drafts(rows, temperature) if rows else _nothing()
             with run:
                 _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,

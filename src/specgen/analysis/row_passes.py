@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import yaml
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 
 from specgen.backbones.loading import load_shapes_generator
 from specgen.decoding import ssd
@@ -98,7 +99,7 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
             drafters[path] = load_exported(str(path)).eval()
         net = drafter if path is None else drafters[path]
         rows, unchecked, cascades = [], [], []
-        for i, text in enumerate(prompts):
+        for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
             _, stats = ssd.generate(backbone, backbone.prompts([text]), net, cfg_scale=cfg_scale,
                                     rngs=make_rngs([seed + i]), **options)
             rows.append(stats["row_final_pass"][0].float())
