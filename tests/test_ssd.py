@@ -770,6 +770,15 @@ def test_ssd_cost_split_sees_every_forward_and_fits_the_pass_cost(tmp_path, tiny
         assert r["tokens_fed"] >= 16 * 16 - 1 + 15
     assert out["strategies"]["ar"]["passes"] == 256 and out["strategies"]["ar"]["tokens_fed"] == 16 * 16 - 1 + 15
     assert out["strategies"]["ar"]["wall_ratio"] == 1.0 and out["pass_cost"]["per_position_s"] > 0
+    ops = saved["ops"]  # one image per strategy: AR drafts nothing, SSD does; every pass is in a target forward
+    assert list(ops) == ["ar", "ssd", "ssd_paper", "carry1"] and ops["ar"]["draft"] == 0 and ops["ar"]["passes"] == 256
+    for name, o in ops.items():
+        assert o["total"] == o["target"] + o["draft"] + o["other"] and o["target"] >= 3 * o["passes"]
+        assert (o["draft"] > 0) == (name != "ar") and o["other"] > 0
+    assert ssd_costs.ssd._draft_down.__name__ == "_draft_down"  # the counting wrappers are gone
+    with ssd_costs._OpCounter(["x"]) as counter:
+        torch.ones(3).add(1).mul(2)
+    assert counter.counts["x"] == 3  # ones, add, mul
 
 
 def test_second_row_wait_drafts_row_one_only_once_row_zero_has_settled(monkeypatch):

@@ -26,6 +26,7 @@ warm-up image first.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgen.analysis.row_passes import add_world_args, config_strategies, load_world
 from specgen.decoding import ar, ssd
@@ -121,6 +123,57 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     return out
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched, by the region on top of `regions` when each runs."""
+
+    def __init__(self, regions: list[str]):
+        super().__init__()
+        self.regions, self.counts = regions, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.regions[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def count_ops(backbone, drafter, prompt: str, cfg_scale: float, strategies: dict[str, dict], seed: int = 0) -> dict:
+    """Per strategy (AR first), the aten ops one image's decode dispatches: in target forwards, in drafting, and the
+    rest (verification and bookkeeping), with its passes. On a CPU a small op costs a few microseconds whatever its
+    size, so for a model this small the op counts explain much of the wall clock that positions fed do not."""
+    regions = ["other"]
+
+    def region(fn, label):
+        def wrapper(*args, **kwargs):
+            regions.append(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                regions.pop()
+        return wrapper
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
+    backbone.forward_embeds = region(backbone.forward_embeds, "target")
+    for owner, name, fn in saved:
+        setattr(owner, name, region(fn, "draft"))
+    out = {}
+    try:
+        decoders = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
+        for name, options in strategies.items():
+            decoders[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
+                                                                     rngs=rngs, **o))(options)
+        for name, decode in decoders.items():
+            with _OpCounter(regions) as counter:
+                _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]))
+            c = counter.counts
+            out[name] = {"target": c["target"], "draft": c["draft"], "other": c["other"],
+                         "total": sum(c.values()), "passes": int(stats["nfe"])}
+    finally:
+        del backbone.forward_embeds
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return out
+
+
 def fit_pass_cost(result: dict) -> tuple[float, float]:
     """Least-squares (a, b) of t = a + b x positions over every timed forward but the prefills (they feed the
     prompt, not image positions)."""
@@ -169,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     backbone, drafter, prompts, strategies = load_world(args)
     strategies = strategies or config_strategies()
     out = report(measure(backbone, drafter, prompts, args.cfg_scale, strategies, args.seed), args.target_ratio)
+    out["ops"] = count_ops(backbone, drafter, prompts[0], args.cfg_scale, strategies, args.seed)  # after the clocks
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path / "ssd_costs.json", json.dumps(out, indent=2))
@@ -183,6 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<14} {r['wall_s'] * 1e3:>8.0f} {r['target_s'] * 1e3:>7.0f} {r['draft_s'] * 1e3:>7.0f} "
               f"{r['other_s'] * 1e3:>7.0f} {r['passes']:>7.1f} {r['tokens_fed']:>6.0f} {r['wall_ratio']:>7.2f} "
               f"{r['pass_ratio']:>7.2f} {r['ratio_if_free_drafting']:>18.2f} {budget[0]:>12} {budget[1]:>15}")
+    ar_ops = out["ops"]["ar"]["total"]
+    print(f"aten ops of one image's decode (the first prompt): {'target':>8} {'draft':>7} {'other':>7} {'total':>7} "
+          f"{'per pass':>8} {'AR / this':>9}")
+    for name, o in out["ops"].items():
+        print(f"{name:<50} {o['target']:>8} {o['draft']:>7} {o['other']:>7} {o['total']:>7} "
+              f"{o['total'] / o['passes']:>8.0f} {ar_ops / o['total']:>9.2f}")
     return out
 
 
