@@ -1062,3 +1062,6 @@ def test_oracle_drafter_under_greedy_takes_one_pass_a_row_and_equals_ar(tmp_path
     assert list(saved) == ["ssd", "oracle_all"] and saved["oracle_all"]["oracle"] == "all"
     diff = np.array(res["oracle_all"]["image_passes"]) - np.array(res["ssd"]["image_passes"])
     assert res["oracle_all"]["paired_diff"] == pytest.approx(diff.mean())
+    # sampled (T 1): q is the verifying p itself, so every draft is kept and every row takes one pass
+    assert saved["oracle_all"]["accept_down"] == 1.0 and saved["oracle_all"]["passes"][-1] == 1 + 16
+    assert saved["ssd"]["accept_down"] < 1.0

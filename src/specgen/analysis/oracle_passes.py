@@ -16,7 +16,9 @@ Strategies, all from `configs/decoding/ssd.yaml` on the same prompts and per-ima
 - `oracle_down`: the default with the oracle drafting the rows below the first (at the target's temperature; the first
   row is f_phi's, horizontally chained, as in the default);
 - `oracle_all`: the oracle drafts every row, and no re-drafts after a change (`redraft: 0`: they are f_phi's);
-- `oracle_down_t05`: `oracle_down` with the oracle's drafts drawn at the default's draft temperature 0.5.
+- `oracle_down_t05` / `_t07` / `_t085`: `oracle_down` with the oracle's drafts drawn at temperature 0.5 / 0.7 / 0.85:
+  a perfect drafter made worse by a known amount, so that passes can be read against down acceptance (`accept_down`:
+  the rows below the first, each draft at its first judgement).
 -> <out>/oracle_passes.json: `row_passes`' summary per strategy, per-image passes and paired differences against
 `ssd`. The oracle's own forwards are not counted (it is a bound, not a decoder).
 """
@@ -96,7 +98,9 @@ def strategies() -> dict[str, tuple[dict, str | None, float | None]]:
     return {"ssd": (default, None, None),
             "oracle_down": (default, "down", None),
             "oracle_all": ({**default, "redraft": 0}, "all", None),
-            "oracle_down_t05": (default, "down", 0.5)}
+            "oracle_down_t05": (default, "down", 0.5),  # a perfect drafter's drafts drawn colder: less acceptance
+            "oracle_down_t07": (default, "down", 0.7),
+            "oracle_down_t085": (default, "down", 0.85)}
 
 
 @torch.inference_mode()
@@ -107,16 +111,18 @@ def oracle_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed:
     out, totals = {}, {}
     chosen = strategies() if names is None else {n: strategies()[n] for n in names}
     for name, (options, rows, temperature) in chosen.items():
-        per_image = []
+        per_image, accept = [], []
         for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
             run = oracle_drafts(rows, temperature) if rows else _nothing()
             with run:
                 _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
                                         rngs=make_rngs([seed + i]), **options)
             per_image.append(stats["row_final_pass"][0].float())
+            accept.append(stats["accept_map"][0, 1:].float().mean().item())  # rows below the first, first judgement
         passes = torch.stack(per_image).numpy()
         out[name] = summarise(passes, backbone.grid.width, options.get("rounds", 0))
-        out[name].update(oracle=rows, oracle_temperature=temperature, image_passes=passes[:, -1].tolist())
+        out[name].update(oracle=rows, oracle_temperature=temperature, image_passes=passes[:, -1].tolist(),
+                         accept_down=float(sum(accept) / len(accept)))
         totals[name] = passes[:, -1]
         first = next(iter(totals))
         if name != first:
@@ -152,12 +158,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "oracle_passes.json", json.dumps(result, indent=2))
     H = len(next(iter(result.values()))["passes"])
-    print(f"{'strategy':<18} {'passes (95%)':>14} {'row 1':>6} {'passes/row':>10} {'x AR':>6}  paired")
+    print(f"{'strategy':<18} {'passes (95%)':>14} {'row 1':>6} {'passes/row':>10} {'x AR':>6} {'accept down':>11}  "
+          f"paired")
     for name, r in result.items():
         paired = (f"{r['paired_diff']:+.2f} +-{r['paired_diff_ci95']:.2f} vs {r['paired_vs']}"
                   if "paired_diff" in r else "")
         print(f"{name:<18} {r['passes'][-1]:>7.1f} +-{r['passes_ci95'][-1]:<4.1f} {r['first_row_passes']:>6.1f} "
-              f"{r['passes_per_row']:>10.2f} {r['ratio'][H - 1]:>6.2f}  {paired}")
+              f"{r['passes_per_row']:>10.2f} {r['ratio'][H - 1]:>6.2f} {r['accept_down']:>11.3f}  {paired}")
     return result
 
 
