@@ -1065,3 +1065,53 @@ def test_oracle_drafter_under_greedy_takes_one_pass_a_row_and_equals_ar(tmp_path
     # sampled (T 1): q is the verifying p itself, so every draft is kept and every row takes one pass
     assert saved["oracle_all"]["accept_down"] == 1.0 and saved["oracle_all"]["passes"][-1] == 1 + 16
     assert saved["ssd"]["accept_down"] < 1.0
+
+
+def test_pass_statistics_counted_at_once_equal_counting_pass_by_pass():
+    """PassStats records a pass as it is and counts the recorded passes when read; the counts equal counting each
+    pass as it comes (the reference below), with direct additions between passes and reads between passes."""
+    from specgen.decoding.ssd_pass_stats import KEYS, PassStats
+
+    def reference(stats, b, fresh, changed, first):
+        c = stats["counts"]
+        c["fresh"][b] += fresh.sum()
+        c["fresh_changed"][b] += (changed & fresh).sum()
+        c["carried"][b] += (~fresh).sum()
+        c["carried_changed"][b] += (changed & ~fresh).sum()
+        c["finalised"][b] += first + 1
+        if changed.any():
+            c["changed"][b] += 1
+            c["first_on_fresh"][b] += fresh[first].float()
+        if stats["last"][b]:
+            c["after"][b] += 1
+            c["after_changed"][b] += changed[0].float()
+        c["single"][b] += changed[0].float()
+        stats["last"][b] = changed.any()
+        d = torch.arange(fresh.numel()).clamp_max(stats["dist"].shape[-1] - 1)
+        kind = (~fresh).long()
+        stats["dist"][b, :, 0].index_put_((kind, d), torch.ones_like(d, dtype=torch.float), accumulate=True)
+        stats["dist"][b, :, 1].index_put_((kind, d), changed.float(), accumulate=True)
+
+    torch.manual_seed(0)
+    B, W = 3, 4
+    new = PassStats(B, W, "cpu")
+    ref = {"counts": {k: torch.zeros(B) for k in KEYS}, "last": torch.zeros(B, dtype=torch.bool),
+           "dist": torch.zeros(B, 2, 2, 2 * W)}
+    for step in range(60):
+        b, n = int(torch.randint(B, ())), int(torch.randint(1, 3 * W, ()))  # windows longer than 2W share a bin
+        fresh, changed = torch.rand(n) < 0.5, torch.rand(n) < 0.3
+        first = int(changed.float().argmax()) if changed.any() else n - 1
+        new.record(b, fresh, changed, first)
+        reference(ref, b, fresh, changed, first)
+        if step % 7 == 0:  # a direct addition (a sibling's judgement)
+            new.counts["sibling_hits"][b] += 1
+            ref["counts"]["sibling_hits"][b] += 1
+        if step % 25 == 0:  # read in between: the counts so far, and later passes still follow the last one
+            new.summary(torch.full((B,), step + 1))
+    passes = torch.full((B,), 60)
+    got = new.summary(passes)
+    for k in KEYS:
+        assert torch.equal(new.counts[k], ref["counts"][k]), k
+    assert torch.equal(new.by_distance, ref["dist"]) and torch.equal(got["change_by_distance"], ref["dist"])
+    assert torch.equal(new.summary(passes)["single_token_passes"], got["single_token_passes"])  # reading twice: same
+    assert ref["counts"]["after"].sum() > 0 and ref["counts"]["first_on_fresh"].sum() > 0  # both branches ran
