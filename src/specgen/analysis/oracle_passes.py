@@ -26,19 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from specgen.analysis.row_passes import decoding_options, summarise
+from specgen.analysis.row_passes import add_paired, decoding_options, summarise
 from specgen.backbones.loading import load_shapes_generator
 from specgen.decoding import ssd
 from specgen.decoding.sampling import inverse_cdf, make_rngs, uniform
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
-from specgen.utils.stats import mean_ci95
 
 
 def oracle_row(st, row: int, images: torch.Tensor, temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +112,7 @@ def oracle_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed:
     for name, (options, rows, temperature) in chosen.items():
         per_image, accept = [], []
         for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
-            run = oracle_drafts(rows, temperature) if rows else _nothing()
+            run = oracle_drafts(rows, temperature) if rows else nullcontext()
             with run:
                 _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
                                         rngs=make_rngs([seed + i]), **options)
@@ -121,19 +120,9 @@ def oracle_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed:
             accept.append(stats["accept_map"][0, 1:].float().mean().item())  # rows below the first, first judgement
         passes = torch.stack(per_image).numpy()
         out[name] = summarise(passes, backbone.grid.width, options.get("rounds", 0))
-        out[name].update(oracle=rows, oracle_temperature=temperature, image_passes=passes[:, -1].tolist(),
-                         accept_down=float(sum(accept) / len(accept)))
-        totals[name] = passes[:, -1]
-        first = next(iter(totals))
-        if name != first:
-            diff = totals[name] - totals[first]
-            out[name].update(paired_vs=first, paired_diff=float(diff.mean()), paired_diff_ci95=float(mean_ci95(diff)))
+        out[name].update(oracle=rows, oracle_temperature=temperature, accept_down=float(sum(accept) / len(accept)))
+        add_paired(out, totals, name, passes[:, -1])
     return out
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def main(argv: list[str] | None = None) -> dict:

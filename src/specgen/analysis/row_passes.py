@@ -111,19 +111,23 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
         out[name] = summarise(passes, backbone.grid.width, options.get("rounds", 0))
         if path is not None:
             out[name]["drafter"] = str(path)
-        out[name]["image_passes"] = passes[:, -1].tolist()  # per prompt, in the prompts' order
-        totals[name] = passes[:, -1]
-        first = next(iter(totals))
-        if name != first:  # paired: the same prompts and per-image seeds
-            diff = totals[name] - totals[first]
-            out[name]["paired_vs"] = first
-            out[name]["paired_diff"] = float(diff.mean())
-            out[name]["paired_diff_ci95"] = float(mean_ci95(diff))
+        add_paired(out, totals, name, passes[:, -1])
         out[name]["unchecked"] = float(np.mean(unchecked))
         out[name]["unchecked_ci95"] = float(mean_ci95(np.array(unchecked)))
         if cascades:
             out[name]["cascades"] = summarise_cascades(cascades)
     return out
+
+
+def add_paired(out: dict, totals: dict, name: str, image_passes: np.ndarray) -> None:
+    """Record strategy `name`'s passes per image (in the prompts' order) in `out[name]` and `totals`, and, for every
+    strategy after the first, its paired difference against the first (the same prompts and per-image seeds)."""
+    out[name]["image_passes"] = image_passes.tolist()
+    totals[name] = image_passes
+    first = next(iter(totals))
+    if name != first:
+        diff = image_passes - totals[first]
+        out[name].update(paired_vs=first, paired_diff=float(diff.mean()), paired_diff_ci95=float(mean_ci95(diff)))
 
 
 def summarise_cascades(stats: list[dict]) -> dict:

@@ -57,16 +57,32 @@ class Clock:
 
 
 @contextmanager
+def wrapped(backbone, forward_wrapper, draft_wrapper):
+    """Within the block, `backbone.forward_embeds` is `forward_wrapper(forward)` and each of SSD's draft functions
+    `draft_wrapper(fn)`; the originals are back after it."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
+    backbone.forward_embeds = forward_wrapper(backbone.forward_embeds)
+    for owner, name, fn in saved:
+        setattr(owner, name, draft_wrapper(fn))
+    try:
+        yield
+    finally:
+        del backbone.forward_embeds  # the instance attribute: the class method is back
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+@contextmanager
 def clocked(backbone, clock: Clock):
     """Time `backbone.forward_embeds` and SSD's draft functions for the duration of the block."""
-    forward = backbone.forward_embeds
-
-    def timed_forward(embeds, slots, *args, **kwargs):
-        t = time.perf_counter()
-        out = forward(embeds, slots, *args, **kwargs)
-        prefill = int(slots.min()) == 0  # a decode's first forward feeds the prompt from slot 0
-        clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t, prefill))
-        return out
+    def timed_forward(forward):
+        def wrapper(embeds, slots, *args, **kwargs):
+            t = time.perf_counter()
+            out = forward(embeds, slots, *args, **kwargs)
+            prefill = int(slots.min()) == 0  # a decode's first forward feeds the prompt from slot 0
+            clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t, prefill))
+            return out
+        return wrapper
 
     def timed(fn):
         def wrapper(*args, **kwargs):
@@ -77,16 +93,17 @@ def clocked(backbone, clock: Clock):
                 clock.draft_s += time.perf_counter() - t
         return wrapper
 
-    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
-    backbone.forward_embeds = timed_forward
-    for owner, name, fn in saved:
-        setattr(owner, name, timed(fn))
-    try:
+    with wrapped(backbone, timed_forward, timed):
         yield clock
-    finally:
-        del backbone.forward_embeds  # the instance attribute: the class method is back
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
+
+
+def decoders(backbone, drafter, cfg_scale: float, strategies: dict[str, dict]) -> dict:
+    """name -> decode(prompts, rngs): AR first, then `ssd.generate` with each strategy's options."""
+    out = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
+    for name, options in strategies.items():
+        out[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
+                                                            rngs=rngs, **o))(options)
+    return out
 
 
 @torch.inference_mode()  # as the benchmark's speed runs decode
@@ -95,16 +112,13 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     """Per strategy (AR first): per-image means of wall, target, draft and other seconds, passes, positions fed
     after the prefill; and every timed forward (positions, rows, seconds) for the cost model."""
     clock = Clock()
-    decoders = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
-    for name, options in strategies.items():
-        decoders[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
-                                                                 rngs=rngs, **o))(options)
-    acc = {name: {"wall": 0.0, "draft": 0.0, "passes": [], "fed": [], "forwards": []} for name in decoders}
+    decode_by = decoders(backbone, drafter, cfg_scale, strategies)
+    acc = {name: {"wall": 0.0, "draft": 0.0, "passes": [], "fed": [], "forwards": []} for name in decode_by}
     with clocked(backbone, clock):
-        for name, decode in decoders.items():
+        for name, decode in decode_by.items():
             decode(backbone.prompts(prompts[:1]), make_rngs([seed]))  # warm-up
         for i, text in enumerate(prompts):  # interleaved: every strategy on a prompt before the next prompt, so that
-            for name, decode in decoders.items():  # a drift of the machine's speed falls on all of them alike
+            for name, decode in decode_by.items():  # a drift of the machine's speed falls on all of them alike
                 clock.reset()
                 t = time.perf_counter()
                 _, stats = decode(backbone.prompts([text]), make_rngs([seed + i]))
@@ -142,35 +156,25 @@ def count_ops(backbone, drafter, prompt: str, cfg_scale: float, strategies: dict
     size, so for a model this small the op counts explain much of the wall clock that positions fed do not."""
     regions = ["other"]
 
-    def region(fn, label):
-        def wrapper(*args, **kwargs):
-            regions.append(label)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                regions.pop()
-        return wrapper
+    def region(label):
+        def wrap(fn):
+            def wrapper(*args, **kwargs):
+                regions.append(label)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    regions.pop()
+            return wrapper
+        return wrap
 
-    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
-    backbone.forward_embeds = region(backbone.forward_embeds, "target")
-    for owner, name, fn in saved:
-        setattr(owner, name, region(fn, "draft"))
     out = {}
-    try:
-        decoders = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
-        for name, options in strategies.items():
-            decoders[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
-                                                                     rngs=rngs, **o))(options)
-        for name, decode in decoders.items():
+    with wrapped(backbone, region("target"), region("draft")):
+        for name, decode in decoders(backbone, drafter, cfg_scale, strategies).items():
             with _OpCounter(regions) as counter:
                 _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]))
             c = counter.counts
             out[name] = {"target": c["target"], "draft": c["draft"], "other": c["other"],
                          "total": sum(c.values()), "passes": int(stats["nfe"])}
-    finally:
-        del backbone.forward_embeds
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
     return out
 
 
