@@ -1115,3 +1115,46 @@ def test_pass_statistics_counted_at_once_equal_counting_pass_by_pass():
     assert torch.equal(new.by_distance, ref["dist"]) and torch.equal(got["change_by_distance"], ref["dist"])
     assert torch.equal(new.summary(passes)["single_token_passes"], got["single_token_passes"])  # reading twice: same
     assert ref["counts"]["after"].sum() > 0 and ref["counts"]["first_on_fresh"].sum() > 0  # both branches ran
+
+
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
+def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_scale):
+    """`_draft_columns` (the lean loop a down row is drafted by) gives the tokens and proposals of the plain loop:
+    per column, the left tokens' features from the lookup table, `down_step` on the flat CFG rows, `st.dist` and
+    `inverse_cdf`, the draft written into the row before the next column; two images, two left tokens."""
+    from specgen.decoding.sampling import inverse_cdf, uniform
+    from specgen.decoding.state import SpecState
+    m = tiny(True)
+    torch.manual_seed(3)
+    d = FPhi(m.hidden_size, "xs", context_kernel=3, left_context=True, left_tokens=2)
+    for lin in (d.nets["down"][-1], d.left_in, d.left_block.mlp[-1], *d.left_far):
+        torch.nn.init.normal_(lin.weight, std=0.05)
+    st = SpecState(m, m.prompts(PROMPTS[:2]), cfg_scale, 1.0, None, make_rngs([0, 1]))
+    st.target_pass(st.g.prefix_len)
+    g, k = st.g, 2
+    codes = torch.randint(0, g.num_visual, (2, g.width))
+    st.set_tokens(g.position(0, torch.arange(g.width)), codes)
+    st.target_pass(g.position(1, 0))  # the first row's states
+    images, rows = torch.arange(2), torch.ones(2, dtype=torch.long)
+    above = g.position(rows[:, None] - 1, torch.arange(g.width)).repeat(st.reps, 1)
+    rep = torch.cat([images + j * st.B for j in range(st.reps)])[:, None]
+    hidden = st.hid[rep, above - 1]
+    trunk = d.down_trunk(hidden, st.embed(st.seq[rep, above]))
+    first = above[:, :1] + g.stride
+    before = st.seq[rep[:, :1], first - k + torch.arange(k)]
+    table = ssd.left_table(st, d)
+    u = uniform((2, g.width), make_rngs([5, 6]), "cpu")
+    with torch.no_grad():
+        got_codes, got_q = ssd._draft_columns(st, d, trunk, hidden, before, table, u, 0.5)
+        buf = torch.cat([before, before.new_zeros(len(before), g.width)], 1)
+        want_codes, want_q = [], []
+        for c in range(g.width):
+            left = sum(table[j - 1][buf[:, k + c - j]] for j in range(1, k + 1))
+            q = st.dist(d.down_step(trunk[:, c], hidden[:, c], left), 0.5)
+            tok = inverse_cdf(q, u[:, c])
+            want_codes.append(tok)
+            want_q.append(q)
+            buf[:, k + c] = tok.repeat(st.reps)
+    assert torch.equal(got_codes, torch.stack(want_codes, 1))
+    assert torch.equal(got_q, torch.stack(want_q, 1))
+    assert got_q.shape == (2, g.width, g.num_visual)

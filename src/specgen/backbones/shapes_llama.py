@@ -157,6 +157,8 @@ class ShapesLlama(nn.Module):
     def _unit_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMS norm without its weight, in one fused call, in float32, back in the states' dtype."""
         eps = self.final_norm.variance_epsilon
+        if hidden.dtype == torch.float32:  # no casts to dispatch (drafting calls this once per drafted column)
+            return torch.nn.functional.rms_norm(hidden, (hidden.shape[-1],), None, eps)
         return torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, eps).to(hidden.dtype)
 
     def _visual_rows(self) -> torch.Tensor:

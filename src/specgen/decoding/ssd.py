@@ -109,16 +109,38 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
             q = st.dist(drafter.down_step(trunk, hidden, left_features(buf)), draft_temperature)
             st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
-    codes, qs = [], []
-    buf = torch.cat([before, before.new_zeros(len(before), g.width)], 1)  # filled with the drafts column by column
     u = uniform((len(images), g.width), st.image_gens(images), before.device)  # (S, W): the columns' draws at once
+    return _draft_columns(st, drafter, trunk, hidden, before, table, u, draft_temperature)
+
+
+def _draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
+                   table: torch.Tensor, u: torch.Tensor,
+                   draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A down row drafted column by column, each column from the previous column's draft: trunk (S', W, width) and
+    states above (S', W, D) of the rows' CFG streams, the k tokens before column 0 (S', k), the left maps' table and
+    the columns' uniform draws (S, W). This loop runs W times per drafted row, so it issues as few tensor ops as it
+    can: the columns are split once, each CFG stream's rows are one view (reps, S, ...) to which the left features,
+    looked up once per image, broadcast, and each draw is made from the warped distribution as `inverse_cdf` makes it
+    (the same values as drafting through the generic calls, op for op)."""
+    g, reps, k = st.g, st.reps, table.shape[0]
+    S = u.shape[0]
+    trunks = trunk.reshape(reps, S, g.width, -1).unbind(2)  # W x (reps, S, width)
+    above = hidden.reshape(reps, S, g.width, -1).unbind(2)  # W x (reps, S, D)
+    draws = u.unsqueeze(-1).unbind(1)  # W x (S, 1)
+    prev = list(before[:S].unbind(1))  # the k tokens before column 0, farthest first, (S,) each
+    maps = table.unbind(0)  # k x (image tokens, width), nearest first
+    codes, qs = [], []
     for c in range(g.width):
-        state = drafter.down_step(trunk[:, c], hidden[:, c], left_features(buf, c))  # (S', D)
-        q = st.dist(state, draft_temperature)  # (S, V)
-        tok = inverse_cdf(q, u[:, c])
+        left = maps[0][prev[-1]]  # (S, width): the nearest left token's features
+        for j in range(2, k + 1):  # farther ones (drafters reading more than one left token)
+            left = left + maps[j - 1][prev[-j]]
+        state = drafter.down_step(trunks[c], above[c], left)  # (reps, S, D)
+        q = st.dist(state, draft_temperature)[0] if reps == 2 else st.dist(state[0], draft_temperature)  # (S, V)
+        cdf = q.cumsum(-1)
+        tok = torch.searchsorted(cdf, draws[c] * cdf[:, -1:], right=True).view(S).clamp_max(q.shape[-1] - 1)
         codes.append(tok)
         qs.append(q)
-        buf[:, k + c] = tok.repeat(st.reps)
+        prev.append(tok)
     st.draft_calls += g.width
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 

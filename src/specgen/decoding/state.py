@@ -203,7 +203,8 @@ class SpecState:
         return self._warp(guide(logits, self.cfg_scale) if self.reps == 2 else logits, temperature)
 
     def _warp(self, logits: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        return probs(logits.float(), self.temperature if temperature is None else temperature, self.top_k)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return probs(logits, self.temperature if temperature is None else temperature, self.top_k)
 
     def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor, images: torch.Tensor | None = None) -> None:
         """Write visual codes (S, n) at positions (n,) or per image (S, n) of images (S,) (default: every image),
