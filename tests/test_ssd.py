@@ -770,6 +770,11 @@ def test_ssd_cost_split_sees_every_forward_and_fits_the_pass_cost(tmp_path, tiny
         assert r["tokens_fed"] >= 16 * 16 - 1 + 15
     assert out["strategies"]["ar"]["passes"] == 256 and out["strategies"]["ar"]["tokens_fed"] == 16 * 16 - 1 + 15
     assert out["strategies"]["ar"]["wall_ratio"] == 1.0 and out["pass_cost"]["per_position_s"] > 0
+    ar_wall = out["strategies"]["ar"]["wall_s"]
+    for r in out["strategies"].values():  # the passes 3.5x allows at the strategy's own cost per pass, by hand
+        assert r["passes_allowed"] == pytest.approx(ar_wall / 3.5 * r["passes"] / r["wall_s"])
+        assert r["passes_allowed_free"] == pytest.approx(ar_wall / 3.5 * r["passes"] / r["model_target_s"])
+        assert r["passes_allowed"] * r["wall_s"] / r["passes"] == pytest.approx(ar_wall / 3.5)
     ops = saved["ops"]  # one image per strategy: AR drafts nothing, SSD does; every pass is in a target forward
     assert list(ops) == ["ar", "ssd", "ssd_paper", "carry1"] and ops["ar"]["draft"] == 0 and ops["ar"]["passes"] == 256
     for name, o in ops.items():

@@ -13,7 +13,9 @@ and positions fed pull the wall clock in opposite directions. The report gives, 
 time, its passes and positions fed, and two projections from the fitted model: the wall ratio against AR if drafting
 and verification cost nothing, and the positions fed per image that a target wall ratio would allow at the
 strategy's passes (`--target-ratio`), with drafting and verification as measured and with both free (a negative
-budget: the ratio is out of reach at those passes even if nothing were fed). The strategies run interleaved, every one
+budget: the ratio is out of reach at those passes even if nothing were fed), and the passes per image that ratio
+allows at the strategy's own cost per pass (its positions fed, drafting and verification per pass as measured, and
+with the last two free): on a CPU the wall ratio is about the pass ratio times AR's cost per pass over the strategy's. The strategies run interleaved, every one
 on a prompt before the next prompt, so that a drift of the machine's speed falls on all of them alike.
 
     python -m specgen.analysis.ssd_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
@@ -206,7 +208,12 @@ def report(result: dict, target_ratio: float) -> dict:
             # positions fed per image that `target_ratio` allows at these passes, with drafting and verification as
             # now and with both free (negative: not reachable at these passes even feeding nothing)
             "fed_allowed": (budget - a * r["passes"] - r["draft_s"] - r["other_s"]) / b if b > 0 else float("nan"),
-            "fed_allowed_free": (budget - a * r["passes"]) / b if b > 0 else float("nan")})
+            "fed_allowed_free": (budget - a * r["passes"]) / b if b > 0 else float("nan"),
+            # passes per image that `target_ratio` allows at this strategy's own cost per pass (its positions fed,
+            # drafting and verification per pass as measured), and with drafting and verification free: on a CPU the
+            # wall ratio is about the pass ratio times AR's cost per pass over this strategy's
+            "passes_allowed": budget / (r["wall_s"] / r["passes"]),
+            "passes_allowed_free": budget / (model_target / r["passes"])})
     forwards = sum(len(r["forwards"]) for r in result.values())
     return {"pass_cost": {"fixed_s": a, "per_position_s": b, "forwards": forwards}, "target_ratio": target_ratio,
             "strategies": rows}
@@ -235,12 +242,14 @@ def main(argv: list[str] | None = None) -> dict:
           f"({pc['forwards']} forwards, {torch.get_num_threads()} threads)")
     print(f"{'strategy':<14} {'wall ms':>8} {'target':>7} {'draft':>7} {'other':>7} {'passes':>7} {'fed':>6} "
           f"{'wall x':>7} {'pass x':>7} {'x if free drafting':>18} {f'fed for {args.target_ratio:g}x':>12} "
-          f"{'(free drafting)':>15}")
+          f"{'(free drafting)':>15} {f'passes for {args.target_ratio:g}x':>15} {'(free drafting)':>15}")
     for name, r in out["strategies"].items():
-        budget = ("-", "-") if name == "ar" else (f"{r['fed_allowed']:.0f}", f"{r['fed_allowed_free']:.0f}")
+        budget = ("-",) * 4 if name == "ar" else (f"{r['fed_allowed']:.0f}", f"{r['fed_allowed_free']:.0f}",
+                                                   f"{r['passes_allowed']:.1f}", f"{r['passes_allowed_free']:.1f}")
         print(f"{name:<14} {r['wall_s'] * 1e3:>8.0f} {r['target_s'] * 1e3:>7.0f} {r['draft_s'] * 1e3:>7.0f} "
               f"{r['other_s'] * 1e3:>7.0f} {r['passes']:>7.1f} {r['tokens_fed']:>6.0f} {r['wall_ratio']:>7.2f} "
-              f"{r['pass_ratio']:>7.2f} {r['ratio_if_free_drafting']:>18.2f} {budget[0]:>12} {budget[1]:>15}")
+              f"{r['pass_ratio']:>7.2f} {r['ratio_if_free_drafting']:>18.2f} {budget[0]:>12} {budget[1]:>15} "
+              f"{budget[2]:>15} {budget[3]:>15}")
     ar_ops = out["ops"]["ar"]["total"]
     print(f"aten ops of one image's decode (the first prompt): {'target':>8} {'draft':>7} {'other':>7} {'total':>7} "
           f"{'per pass':>8} {'AR / this':>9}")
