@@ -42,7 +42,8 @@ def noisy_drafter(m: ShapesLlama, left: bool = False) -> FPhi:
                                 dict(rounds=0, carry=True, left_draft="above"), dict(rounds=5, left_draft="above"),
                                 dict(rounds=0, carry=True, left_draft="sequential"),
                                 dict(rounds=0, carry=True, left_draft="refine"),
-                                dict(rounds=0, carry=True, siblings=3, redraft=2)])
+                                dict(rounds=0, carry=True, siblings=3, redraft=2),
+                                dict(rounds=0, carry=True, left_draft="sequential", redraft=2, reweight=3)])
 def test_greedy_ssd_equals_greedy_ar(eol, kw):
     m = tiny(eol)
     p = m.prompts(PROMPTS)
@@ -201,14 +202,15 @@ def _gof_pvalue(out: torch.Tensor, joint: np.ndarray) -> float:
 
 @pytest.mark.parametrize("decoder", ["ar", "ssd_exact", "ssd_exact_horizontal", "ssd_exact_argmax_draft", "mtp1d",
                                      "specdec", "sjd", "ssd_carry_default", "ssd_row_draft", "ssd_siblings",
-                                     "broken", "ssd_typical"])
+                                     "ssd_reweight", "broken", "ssd_typical"])
 def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
     """Chi-square goodness of fit of 4000 sampled 2x2 images against the exact joint (256 cells).
 
     `ssd_carry_default` is the carry window with the default `ssd`'s settings (approximately lossless: carried tokens
     are checked against the last pass's p); `ssd_row_draft` the same with a left-context drafter whose down rows are
     drafted in one call (`left_draft="above"`), `ssd_siblings` the default's with alternatives fed for the token after
-    a change (`siblings=2`). `broken` (every draft accepted: samples from the drafter) and
+    a change (`siblings=2`), `ssd_reweight` the default's with the token after a change in a down row drawn again from
+    the reweighted p (`reweight=2`, a left-context drafter). `broken` (every draft accepted: samples from the drafter) and
     `ssd_typical` (typical acceptance keeps plausible drafts: not lossless) show that the test has power."""
     if decoder == "ssd_siblings":  # 2 codes: a change always draws the fed alternative; 3x3 without end-of-row
         m = tiny(False, codes=2, grid=3, sharpen=3.0)  # tokens (after a row's last token: the next row's first)
@@ -226,15 +228,21 @@ def test_lossless_modes_sample_the_models_distribution(decoder, monkeypatch):
         out, _ = sjd.generate(m, prompt_ids, cfg_scale=2.0, rngs=rngs, window=3, init="vertical")
     elif decoder == "specdec":
         out, _ = specdec.generate(m, prompt_ids, draft_model(m), cfg_scale=2.0, rngs=rngs, window=2)
-    elif decoder in ("ssd_carry_default", "ssd_row_draft", "ssd_siblings", "ssd_typical"):
+    elif decoder in ("ssd_carry_default", "ssd_row_draft", "ssd_siblings", "ssd_reweight", "ssd_typical"):
         kw = dict(rounds=0, carry=True, max_window_rows=2, draft_temperature=0.5, redraft=4, redraft_rows=1,
                   second_row_wait=2, acceptance="typical" if decoder == "ssd_typical" else "speculative")
         if decoder == "ssd_row_draft":
             kw["left_draft"] = "above"
         if decoder == "ssd_siblings":
             kw["siblings"] = 2
-        out, st = ssd.generate(m, prompt_ids, noisy_drafter(m, left=decoder == "ssd_row_draft"), cfg_scale=2.0,
-                              rngs=rngs, **kw)
+        if decoder == "ssd_reweight":
+            kw["reweight"] = 2
+        left = decoder in ("ssd_row_draft", "ssd_reweight")
+        out, st = ssd.generate(m, prompt_ids, noisy_drafter(m, left=left), cfg_scale=2.0, rngs=rngs, **kw)
+        if decoder == "ssd_reweight":  # the reweighted draws happen: more draft calls than the same without
+            _, plain = ssd.generate(m, prompt_ids, noisy_drafter(m, left=True), cfg_scale=2.0, rngs=make_rngs(range(n)),
+                                    **dict(kw, reweight=0))
+            assert st["draft_calls"] > plain["draft_calls"] + 200
         if decoder == "ssd_siblings":
             hits = (st["sibling_hits"] * st["image_passes"]).sum()  # per image: hits per pass
             assert hits > 500, hits  # the alternatives are used
@@ -382,7 +390,7 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
                   max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5,
-                  left_draft="above", siblings=2, max_fed=5)
+                  left_draft="above", siblings=2, max_fed=5, reweight=2)
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
@@ -1163,3 +1171,68 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
     assert torch.equal(got_codes, torch.stack(want_codes, 1))
     assert torch.equal(got_q, torch.stack(want_q, 1))
     assert got_q.shape == (2, g.width, g.num_visual)
+
+
+def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps_images_their_own():
+    """reweight=k: after a pass's first change in a down row, the next token is drawn from q' = p * f(new) / f(old),
+    normalised (checked by hand for every call: the drafter's down draft through `down_column` with the new and the
+    old left tokens' embeddings, guided by hand); an image's draws are its own (batch = batch 1); final rows leave
+    the kept trunks; settings that cannot serve it are refused with the value named."""
+    from specgen.decoding.ssd_window import CarryWindow
+    m = tiny(True, grid=6)
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    d = noisy_drafter(m, left=True)
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, redraft=2, redraft_rows=1, reweight=2)
+    calls, kept, reweight = [], [], CarryWindow._reweight
+
+    def spy(self, b, own, first, fed, tokens, pb):
+        row = self.st.g.row_col(int(self.pos[own[first]]))[0]
+        before = tokens.clone()
+        out = reweight(self, b, own, first, fed, tokens, pb)
+        calls.append((self.st, self.pos.clone(), b, own, first, fed.clone(), before, pb,
+                      self.st.memo["down_rows"].get((b, row)), out))
+        kept.append(len(self.st.memo["down_rows"]))
+        return out
+
+    CarryWindow._reweight = spy
+    try:
+        out, st = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **kw)
+    finally:
+        CarryWindow._reweight = reweight
+    checked = 0
+    for state, pos, b, own, first, fed, before, pb, cached, (_, slots, qs) in calls:
+        if not slots.numel() or cached is None:
+            continue
+        g, (trunk, hidden) = state.g, cached
+        slot = int(own[first + 1])
+        assert int(slots[0]) == slot
+        c = int(pos[slot]) - g.position(g.row_col(int(pos[slot]))[0], 0)
+
+        def guided(tok):
+            e = m.embed_visual(tok).expand(2, -1)
+            h = d.down_column(trunk[:, c], hidden[:, c], e)  # (2, D): the conditional and unconditional rows
+            cond, uncond = m.visual_logits(h)
+            return uncond + 3.0 * (cond - uncond)
+
+        want = pb[slot] * torch.exp(guided(before[own[first]]) - guided(fed[own[first]]))
+        assert torch.allclose(qs[0], want / want.sum(), atol=1e-5)
+        checked += 1
+    assert checked >= 5 and max(kept) <= 4 * 2  # at most the rows not final yet of each image
+    _, plain = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **dict(kw, reweight=0))
+    assert st["draft_calls"] > plain["draft_calls"]
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], d, rngs=make_rngs([i]), **kw)
+        assert torch.equal(out[i], one[0]) and st["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="reweight=2 .* needs carry=true"):
+        ssd.generate(m, p, d, carry=False, reweight=2)
+    with pytest.raises(ValueError, match="reweight=2 .* needs a hidden-state drafter"):
+        from specgen.drafters.fphi import TokenDrafter
+        ssd.generate(m, p, TokenDrafter(m.hidden_size, m.grid.num_visual), carry=True, reweight=2)
+    point = noisy_drafter(m)  # no left context: every row's tokens after a change from f_phi.right's chain
+    out, st = ssd.generate(m, p, point, rngs=make_rngs(range(4)), **kw)
+    _, plain = ssd.generate(m, p, point, rngs=make_rngs(range(4)), **dict(kw, reweight=0))
+    assert st["draft_calls"] > plain["draft_calls"]
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    assert torch.equal(ssd.generate(m, p, point, temperature=0, **kw)[0], ref)
+    with pytest.raises(ValueError, match="reweight"):
+        ssd.generate(m, p, d, carry=True, reweight=-1)

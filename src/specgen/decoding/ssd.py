@@ -30,7 +30,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, inverse_cdf, sample_probs, uniform
-from specgen.decoding.ssd_window import CarryRule, CarryWindow
+from specgen.decoding.ssd_window import CarryRule, CarryWindow, left_table
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
@@ -88,6 +88,10 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
+    if "down_rows" in st.memo:  # kept per image and row for the carry window's reweighting (`CarryRule.reweight`)
+        S, rows = len(images), g.row_col(above[:len(images), 0])[0] + 1
+        for i, (b, r) in enumerate(zip(images.tolist(), rows.tolist())):
+            st.memo["down_rows"][b, r] = (trunk[i::S], hidden[i::S])  # (reps, W, width), (reps, W, D)
     k = getattr(drafter, "left_tokens", 1)
     first = above[:, :1] + g.stride  # (S', 1): each row's column 0
     before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k): the tokens before it
@@ -145,19 +149,6 @@ def _draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Te
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
-def left_table(st: SpecState, drafter) -> torch.Tensor:
-    """(k, image tokens, width): each left map of `drafter` (nearest first) applied to every image token's embedding
-    (visual codes, then the forced tokens), computed once per generation (`st.memo`): a row drafted column by column
-    looks its left context's features up instead of computing them per column."""
-    if "left_table" not in st.memo:
-        g = st.g
-        tokens = torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device)
-        e = st.embed(tokens)
-        maps = drafter.left_maps() if hasattr(drafter, "left_maps") else [drafter.left_in]
-        st.memo["left_table"] = torch.stack([m(e) for m in maps])
-    return st.memo["left_table"]
-
-
 def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperature: float,
                    slots: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
@@ -195,6 +186,13 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
     if rule.redraft and not carry:
         raise ValueError(f"redraft={rule.redraft} re-drafts tokens carried to the next pass and needs carry=true "
                          f"(the paper's rule keeps no carried tokens); set redraft=0 or carry=true")
+    expect_int("reweight", rule.reweight, 0)
+    if rule.reweight and not carry:
+        raise ValueError(f"reweight={rule.reweight} draws the tokens after a pass's first change again and needs "
+                         f"carry=true (the paper's rule keeps no carried tokens); set reweight=0 or carry=true")
+    if rule.reweight and getattr(drafter, "predicts", "hidden") == "tokens":
+        raise ValueError(f"reweight={rule.reweight} reads how the drafter's prediction moves with the token before it "
+                         f"and needs a hidden-state drafter; this one predicts token ids: set reweight=0")
     if rule.redraft and getattr(drafter, "predicts", "hidden") == "tokens":
         raise ValueError(f"redraft={rule.redraft} chains f_phi.right from a target state and needs a hidden-state "
                          f"drafter; this one predicts token ids: set redraft=0")
@@ -223,13 +221,14 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
              max_row_passes: int | None = None, second_row_wait: int | None = None,
              acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3,
-             left_draft: str = "sequential", siblings: int = 0, max_fed: int | None = None):
+             left_draft: str = "sequential", siblings: int = 0, max_fed: int | None = None, reweight: int = 0):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
     `left_draft` (drafters with left context): how a down row is drafted, with or without carry. `max_lead`,
     `max_window_rows`, `redraft`, `redraft_rows`, `max_row_passes`, `second_row_wait`, `acceptance` (and its
-    `typical_*`), `siblings` and `max_fed` shape the carry window: see `ssd_window.CarryRule`, where each is documented.
+    `typical_*`), `siblings`, `max_fed` and `reweight` shape the carry window: see `ssd_window.CarryRule`, where each is
+    documented.
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
     stats["nfe"] counts target passes over the batch (one forward of the batch counts once);
@@ -240,7 +239,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
                      max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
                      typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft,
-                     siblings=siblings, max_fed=max_fed)
+                     siblings=siblings, max_fed=max_fed, reweight=reweight)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))
     drafter = fit_drafter(backbone, drafter)

@@ -52,7 +52,16 @@ class CarryRule:
     drafts (or carried values) and proposals for a later pass, and a row is drafted from the row above only once every
     slot of that row has been fed. Most passes end their progress at their first change, after which they feed tokens
     whose states the next pass recomputes; on a CPU a pass costs a fixed part plus a part per slot fed. Measured on the
-    shipped models: fewer slots fed, more passes, no faster at any cap (experiments/ssd_ablations)."""
+    shipped models: fewer slots fed, more passes, no faster at any cap (experiments/ssd_ablations);
+    reweight (beyond the paper): after a pass's first change (in a row `redraft` does not serve), the next `reweight`
+    tokens of that row are drawn again, each from q' proportional to p(x | old) * f(x | new) / f(x | old): the pass's
+    own p of that token, judged given the token the change replaced (old), reweighted by how the drafter's prediction
+    of it moves when the token before it is the new one instead of the old one (guided logits, at the sampling
+    temperature): in a row drafted down by a drafter with left context, its down draft of that column given either
+    left token; otherwise f_phi.right chained from the target state before the change through either token. A carried token was drawn given the replaced
+    token, and changes again next pass about a third of the time (the cascades of one-token passes); q' keeps what
+    the target's p knows about the rest of the context and moves it by the drafter's estimate of the change. The new
+    token is judged next pass by the speculative test against q', so the rule is as exact as without (0: off)."""
 
     rounds: int
     max_lead: int | None
@@ -68,6 +77,7 @@ class CarryRule:
     left_draft: str = "sequential"
     siblings: int = 0
     max_fed: int | None = None
+    reweight: int = 0
 
 
 class CarryWindow:
@@ -102,6 +112,8 @@ class CarryWindow:
         self.stale = torch.full((B,), g.prefix_len, dtype=torch.long, device=dev)
         self.seen = self.stale.clone()
         self.recorded = torch.zeros(B, dtype=torch.long, device=dev)  # first-pass acceptance recorded below this slot
+        if rule.reweight:  # the down rows' trunks and states above, per (image, row), kept by the drafting for reweight
+            st.memo["down_rows"] = {}
 
     def floor(self) -> int:
         """The lowest slot whose state a draft or a pass may still read: the one before the slowest image's row
@@ -254,6 +266,8 @@ class CarryWindow:
             kept = self._cap_rows(b, own, int(front[b]))
             if self.rule.redraft and changed.any() and not kept:
                 redrafts.append(self._redraft(b, window, first, new[b]))
+            if self.rule.reweight and changed.any() and not kept:
+                redrafts.append(self._reweight(b, own, first, cur[b], new[b], p[b]))
             self._record_first_judgement(b, pos[own], acc[0], accept_map)
             if self.spent[b] <= self.rule.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
@@ -264,7 +278,12 @@ class CarryWindow:
             self.prop[b, slots], self.fresh[b, slots] = q, True
         self.spent[act] += 1
         self.passes[act] += 1
-        done = torch.arange(g.height, device=pos.device)[None] < self.frontier_row()[:, None]  # (B, H) rows final
+        front = self.frontier_row()
+        done = torch.arange(g.height, device=pos.device)[None] < front[:, None]  # (B, H) rows final
+        if "down_rows" in st.memo:  # a final row is not reweighted any more
+            rows, front = st.memo["down_rows"], front.tolist()
+            for key in [key for key in rows if key[1] < front[key[0]]]:
+                del rows[key]
         self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
@@ -389,6 +408,71 @@ class CarryWindow:
         st.draft_calls += tail.numel()
         return b, tail, torch.stack(qs)
 
+    def _reweight(self, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, tokens: torch.Tensor,
+                  p: torch.Tensor):
+        """`reweight`: draw image b's tokens after its first change (window slot own[first]) again, up to `reweight`
+        of them in the changed token's row (not in the rows `redraft` serves): in a row drafted down, from the down
+        draft of each column given the new and the old left tokens; in a row drafted by f_phi.right (the first), from
+        its chain from the state before the change through the new and the old tokens. `fed` (n,): the window's tokens as this pass fed them; `tokens` (n,): as it judged them,
+        written in place; `p` (n, V): this pass's distributions. Returns (b, slots, q') for the proposals."""
+        st, g, pos = self.st, self.st.g, self.pos
+        at = int(pos[own[first]])
+        row = g.row_col(at)[0]
+        cached = st.memo["down_rows"].get((b, row))
+        tail = own[first + 1: first + 1 + self.rule.reweight]
+        tail = tail[pos[tail] < g.position(row, g.width)]  # the changed token's row only
+        if (self.rule.redraft and row < self.redraft_rows) or not tail.numel():
+            return b, own[:0], self.prop.new_zeros(0, g.num_visual)
+        temperature = st.temperature if st.temperature > 0 else 1.0
+        qs = []
+        if cached is None:  # a row drafted by f_phi.right (the first): chain it from the state before the change
+            rep = torch.tensor([b + j * st.B for j in range(st.reps)], device=pos.device)
+            h = st.hid[rep, at - 1].expand(2, -1, -1)  # (2, reps, D): after the new and after the old tokens
+            new_tok, old_tok = tokens[own[first]], fed[own[first]]
+            for slot in tail.tolist():
+                e = st.embed(torch.stack([new_tok, old_tok]))[:, None].expand(-1, st.reps, -1)
+                h = self.drafter.right(h, e)
+                logits = st.logits(h.transpose(0, 1).reshape(-1, h.shape[-1]))  # (2, V): new, old
+                q = torch.softmax(p[slot].log() + (logits[0] - logits[1]) / temperature, -1)
+                new_tok, old_tok = sample_probs(q[None], st.image_gens([b]))[0], fed[slot]
+                tokens[slot] = new_tok
+                qs.append(q)
+            st.draft_calls += tail.numel()
+            return b, tail, torch.stack(qs)
+        trunk, hidden = cached  # (reps, W, width), (reps, W, D)
+        table = left_table(st, self.drafter)  # (k, image tokens, width)
+        k = table.shape[0]
+        for slot in tail.tolist():
+            s, c = int(pos[slot]), int(pos[slot]) - g.position(row, 0)
+            left = []  # the k tokens before s, nearest first, as judged (new) and as fed (old)
+            for j in range(1, k + 1):
+                i = slot - j
+                if s - j >= at:  # a window token at or after the change: judged and fed values differ
+                    left.append(torch.stack([tokens[i], fed[i]]))
+                else:  # before the change: final, or judged as fed
+                    left.append(st.seq[b, s - j].expand(2))
+            feats = sum(table[j][tok] for j, tok in enumerate(left))  # (2, width): new, old
+            state = self.drafter.down_step(trunk[None, :, c], hidden[None, :, c], feats[:, None])  # (2, reps, D)
+            logits = st.logits(state.transpose(0, 1).reshape(-1, state.shape[-1]))  # (2, V): new, old
+            q = torch.softmax(p[slot].log() + (logits[0] - logits[1]) / temperature, -1)
+            tokens[slot] = sample_probs(q[None], st.image_gens([b]))[0]
+            qs.append(q)
+        st.draft_calls += tail.numel()
+        return b, tail, torch.stack(qs)
+
     def pass_stats(self) -> dict[str, torch.Tensor]:
         """Per image, where the passes went (`ssd_pass_stats.PassStats.summary`)."""
         return self.stats.summary(self.passes)
+
+
+def left_table(st: SpecState, drafter) -> torch.Tensor:
+    """(k, image tokens, width): each left map of `drafter` (nearest first) applied to every image token's embedding
+    (visual codes, then the forced tokens), computed once per generation (`st.memo`): a row drafted column by column
+    looks its left context's features up instead of computing them per column."""
+    if "left_table" not in st.memo:
+        g = st.g
+        tokens = torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device)
+        e = st.embed(tokens)
+        maps = drafter.left_maps() if hasattr(drafter, "left_maps") else [drafter.left_in]
+        st.memo["left_table"] = torch.stack([m(e) for m in maps])
+    return st.memo["left_table"]

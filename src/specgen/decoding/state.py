@@ -194,9 +194,13 @@ class SpecState:
     def dist(self, hidden: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., D) pre-norm states -> (B, ..., Vv) sampling distributions over visual codes.
         `temperature` overrides the decoding temperature (drafts may be drawn colder than the target)."""
-        guided = self.reps == 2  # mixed before the head's projection where the backbone can (`guided_logits`)
-        logits = guided_logits(self.bb, hidden, self.cfg_scale) if guided else self.bb.visual_logits(hidden)
-        return self._warp(logits, temperature)
+        return self._warp(self.logits(hidden), temperature)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B', ..., D) pre-norm states -> (B, ..., Vv) guided logits over visual codes (not warped)."""
+        if self.reps == 2:  # mixed before the head's projection where the backbone can (`guided_logits`)
+            return guided_logits(self.bb, hidden, self.cfg_scale)
+        return self.bb.visual_logits(hidden)
 
     def dist_logits(self, logits: torch.Tensor, temperature: float | None = None) -> torch.Tensor:
         """(B', ..., Vv) visual-code logits -> (B, ..., Vv) sampling distributions (guided, warped)."""
