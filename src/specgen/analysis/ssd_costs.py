@@ -1,22 +1,22 @@
 """Where SSD's wall clock goes at batch 1, against AR's, on the machine it runs on.
 
 Every target forward is timed with the positions it feeds, every draft call (the first row's right chain, the down
-rows, the re-drafts) with its own clock, and the rest of a decode (verification: the target's distributions, the
-accept/resample draws, the window's bookkeeping) is what remains of its wall time. From all timed forwards of all
-strategies a per-pass cost model is fitted by least squares:
+rows, the re-drafts, the reweighted tokens after a change) with its own clock, and the rest of a decode
+(verification: the target's distributions, the accept/resample draws, the window's bookkeeping) is what remains of
+its wall time. From all timed forwards of all strategies a per-pass cost model is fitted by least squares:
 
     t_pass = a + b x (positions fed)                (seconds; a: the fixed cost of a forward, b: per position)
 
 so that a strategy's target time is about a x passes + b x positions fed. On a CPU a small model's forward of one
 position is mostly fixed cost (AR's step), while a forward of a two-row window costs several times more: passes saved
 and positions fed pull the wall clock in opposite directions. The report gives, per strategy, the split of its wall
-time, its passes and positions fed, and two projections from the fitted model: the wall ratio against AR if drafting
-and verification cost nothing, and the positions fed per image that a target wall ratio would allow at the
-strategy's passes (`--target-ratio`), with drafting and verification as measured and with both free (a negative
-budget: the ratio is out of reach at those passes even if nothing were fed), and the passes per image that ratio
-allows at the strategy's own cost per pass (its positions fed, drafting and verification per pass as measured, and
-with the last two free): on a CPU the wall ratio is about the pass ratio times AR's cost per pass over the strategy's. The strategies run interleaved, every one
-on a prompt before the next prompt, so that a drift of the machine's speed falls on all of them alike.
+time, its passes and positions fed, and two projections from the fitted model: the wall ratio against AR if drafting and
+verification cost nothing, and the positions fed per image that a target wall ratio would allow at the strategy's passes
+(`--target-ratio`), with drafting and verification as measured and with both free (a negative budget: the ratio is out
+of reach at those passes even if nothing were fed), and the passes per image that ratio allows at the strategy's own
+cost per pass (its positions fed, drafting and verification per pass as measured, and with the last two free): on a CPU
+the wall ratio is about the pass ratio times AR's cost per pass over the strategy's. The strategies run interleaved,
+every one on a prompt before the next prompt, so that a drift of the machine's speed falls on all of them alike.
 
     python -m specgen.analysis.ssd_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
         --drafter checkpoints/fphi_accept --prompts 16 --threads 2 --out logs/ssd_costs
@@ -44,7 +44,7 @@ from specgen.decoding.sampling import make_rngs
 from specgen.decoding.ssd_window import CarryWindow
 from specgen.utils.checkpoints import atomic_write_text
 
-DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redraft"))
+DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redraft"), (CarryWindow, "_reweight"))
 
 
 class Clock:

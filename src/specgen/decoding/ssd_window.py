@@ -55,13 +55,14 @@ class CarryRule:
     shipped models: fewer slots fed, more passes, no faster at any cap (experiments/ssd_ablations);
     reweight (beyond the paper): after a pass's first change (in a row `redraft` does not serve), the next `reweight`
     tokens of that row are drawn again, each from q' proportional to p(x | old) * f(x | new) / f(x | old): the pass's
-    own p of that token, judged given the token the change replaced (old), reweighted by how the drafter's prediction
-    of it moves when the token before it is the new one instead of the old one (guided logits, at the sampling
-    temperature): in a row drafted down by a drafter with left context, its down draft of that column given either
-    left token; otherwise f_phi.right chained from the target state before the change through either token. A carried token was drawn given the replaced
-    token, and changes again next pass about a third of the time (the cascades of one-token passes); q' keeps what
-    the target's p knows about the rest of the context and moves it by the drafter's estimate of the change. The new
-    token is judged next pass by the speculative test against q', so the rule is as exact as without (0: off)."""
+    own p of that token, judged given the token the change replaced (old), reweighted by how the drafter's prediction of
+    it moves when the token before it is the new one instead of the old one (guided logits, at the sampling
+    temperature): in a row drafted down by a drafter with left context, its down draft of that column given either left
+    token; otherwise f_phi.right chained from the target state before the change through either token. A carried token
+    was drawn given the replaced token, and changes again next pass about a third of the time (the cascades of one-token
+    passes); q' keeps what the target's p knows about the rest of the context and moves it by the drafter's estimate of
+    the change. The new token is judged next pass by the speculative test against q', so the rule is as exact as without
+    (0: off)."""
 
     rounds: int
     max_lead: int | None
@@ -410,11 +411,12 @@ class CarryWindow:
 
     def _reweight(self, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, tokens: torch.Tensor,
                   p: torch.Tensor):
-        """`reweight`: draw image b's tokens after its first change (window slot own[first]) again, up to `reweight`
-        of them in the changed token's row (not in the rows `redraft` serves): in a row drafted down, from the down
-        draft of each column given the new and the old left tokens; in a row drafted by f_phi.right (the first), from
-        its chain from the state before the change through the new and the old tokens. `fed` (n,): the window's tokens as this pass fed them; `tokens` (n,): as it judged them,
-        written in place; `p` (n, V): this pass's distributions. Returns (b, slots, q') for the proposals."""
+        """`reweight`: draw image b's tokens after its first change (window slot own[first]) again, up to `reweight` of
+        them in the changed token's row (not in the rows `redraft` serves): in a row drafted down, from the down draft
+        of each column given the new and the old left tokens; in a row drafted by f_phi.right (the first), from its
+        chain from the state before the change through the new and the old tokens. `fed` (n,): the window's tokens as
+        this pass fed them; `tokens` (n,): as it judged them, written in place; `p` (n, V): this pass's
+        distributions. Returns (b, slots, q') for the proposals."""
         st, g, pos = self.st, self.st.g, self.pos
         at = int(pos[own[first]])
         row = g.row_col(at)[0]
