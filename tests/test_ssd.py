@@ -893,7 +893,8 @@ def test_typical_acceptance_in_the_carry_window():
 @pytest.mark.slow
 def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     """The default's carry settings on a 3x3 grid of 2 codes (512 images, longer carry chains than 2x2): chi-square
-    of 20,000 samples against the exact joint; typical acceptance of carried tokens on the same draws is rejected."""
+    of 20,000 samples against the exact joint, without and with the reweighted tokens after a change; typical
+    acceptance of carried tokens on the same draws is rejected."""
     n = 20000
     m = tiny(True, codes=2, grid=3, sharpen=3.0)
     joint = _exact_joint(m, PROMPTS[0], cfg_scale=2.0)
@@ -905,6 +906,10 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     out, _ = ssd.generate(m, prompts, noisy_drafter(m), cfg_scale=2.0, rngs=make_rngs(range(n)),
                           acceptance="typical_carried", **kw)
     assert _gof_pvalue(out, joint) < 1e-6
+    # the reweighted tokens after a change (the default's `reweight` 2) with a left-context drafter
+    out, st = ssd.generate(m, prompts, noisy_drafter(m, left=True), cfg_scale=2.0, rngs=make_rngs(range(n)),
+                           reweight=2, **kw)
+    assert _gof_pvalue(out, joint) > 1e-3
 
 
 def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_the_left_neighbours():
