@@ -1181,48 +1181,57 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
 def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps_images_their_own():
     """reweight=k: after a pass's first change in a down row, the next token is drawn from q' = p * f(new) / f(old),
     normalised (checked by hand for every call: the drafter's down draft through `down_column` with the new and the
-    old left tokens' embeddings, guided by hand); an image's draws are its own (batch = batch 1); final rows leave
+    old left tokens' embeddings, or for a drafter without left context one f_phi.right step from the state before the
+    change, guided by hand); an image's draws are its own (batch = batch 1); final rows leave
     the kept trunks; settings that cannot serve it are refused with the value named."""
-    from specgen.decoding.ssd_window import CarryWindow
+    from specgen.decoding import ssd_tail
     m = tiny(True, grid=6)
     p = m.prompts(PROMPTS + ["a green diamond"])
     d = noisy_drafter(m, left=True)
     kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, redraft=2, redraft_rows=1, reweight=2)
-    calls, kept, reweight = [], [], CarryWindow._reweight
+    calls, kept = [], []
 
-    def spy(self, b, own, first, fed, tokens, pb):
-        row = self.st.g.row_col(int(self.pos[own[first]]))[0]
-        before = tokens.clone()
-        out = reweight(self, b, own, first, fed, tokens, pb)
-        calls.append((self.st, self.pos.clone(), b, own, first, fed.clone(), before, pb,
-                      self.st.memo["down_rows"].get((b, row)), out))
-        kept.append(len(self.st.memo["down_rows"]))
+    def spy(win, b, own, first, fed, tokens, pb, reweight=ssd_tail.reweight):
+        at = int(win.pos[own[first]])
+        before, state = tokens.clone(), win.st.hid[ssd_tail.image_rows(win.st, b), at - 1].clone()
+        out = reweight(win, b, own, first, fed, tokens, pb)
+        calls.append((win.st, win.pos.clone(), own, first, fed.clone(), before, pb, state,
+                      win.st.memo.get("down_rows", {}).get((b, win.st.g.row_col(at)[0])), out))
+        kept.append(len(win.st.memo["down_rows"]))
         return out
 
-    CarryWindow._reweight = spy
-    try:
+    def by_hand(drafter, calls) -> int:
+        """Check each call's first proposal: q' = p * exp(f(new) - f(old)), f the guided logits computed by hand (the
+        down draft through `down_column`, or one f_phi.right step from the state before the change)."""
+        checked = 0
+        for state, pos, own, first, fed, before, pb, above, cached, (_, slots, qs) in calls:
+            if not slots.numel():
+                continue
+            g, slot = state.g, int(own[first + 1])
+            assert int(slots[0]) == slot
+            c = int(pos[slot]) - g.position(g.row_col(int(pos[slot]))[0], 0)
+
+            def guided(tok):
+                e = m.embed_visual(tok).expand(2, -1)
+                h = drafter.right(above, e) if cached is None else drafter.down_column(cached[0][:, c],
+                                                                                        cached[1][:, c], e)
+                cond, uncond = m.visual_logits(h)  # (2, D) in: the conditional and unconditional rows
+                return uncond + 3.0 * (cond - uncond)
+
+            want = pb[slot] * torch.exp(guided(before[own[first]]) - guided(fed[own[first]]))
+            assert torch.allclose(qs[0], want / want.sum(), atol=1e-5)
+            checked += 1
+        return checked
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ssd_tail, "reweight", spy)
         out, st = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **kw)
-    finally:
-        CarryWindow._reweight = reweight
-    checked = 0
-    for state, pos, b, own, first, fed, before, pb, cached, (_, slots, qs) in calls:
-        if not slots.numel() or cached is None:
-            continue
-        g, (trunk, hidden) = state.g, cached
-        slot = int(own[first + 1])
-        assert int(slots[0]) == slot
-        c = int(pos[slot]) - g.position(g.row_col(int(pos[slot]))[0], 0)
-
-        def guided(tok):
-            e = m.embed_visual(tok).expand(2, -1)
-            h = d.down_column(trunk[:, c], hidden[:, c], e)  # (2, D): the conditional and unconditional rows
-            cond, uncond = m.visual_logits(h)
-            return uncond + 3.0 * (cond - uncond)
-
-        want = pb[slot] * torch.exp(guided(before[own[first]]) - guided(fed[own[first]]))
-        assert torch.allclose(qs[0], want / want.sum(), atol=1e-5)
-        checked += 1
-    assert checked >= 5 and max(kept) <= 4 * 2  # at most the rows not final yet of each image
+        assert by_hand(d, calls) >= 5 and all(c[8] is not None for c in calls if c[-1][1].numel())  # down rows
+        assert max(kept) <= 4 * 2  # at most the rows not final yet of each image
+        calls.clear()
+        point = noisy_drafter(m)  # no left context: every row's tokens after a change from f_phi.right's chain
+        ssd.generate(m, p, point, rngs=make_rngs(range(4)), **kw)
+        assert by_hand(point, calls) >= 5 and all(c[8] is None for c in calls)
     _, plain = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **dict(kw, reweight=0))
     assert st["draft_calls"] > plain["draft_calls"]
     for i in range(4):
@@ -1233,7 +1242,6 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
     with pytest.raises(ValueError, match="reweight=2 .* needs a hidden-state drafter"):
         from specgen.drafters.fphi import TokenDrafter
         ssd.generate(m, p, TokenDrafter(m.hidden_size, m.grid.num_visual), carry=True, reweight=2)
-    point = noisy_drafter(m)  # no left context: every row's tokens after a change from f_phi.right's chain
     out, st = ssd.generate(m, p, point, rngs=make_rngs(range(4)), **kw)
     _, plain = ssd.generate(m, p, point, rngs=make_rngs(range(4)), **dict(kw, reweight=0))
     assert st["draft_calls"] > plain["draft_calls"]

@@ -39,12 +39,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgen.analysis.row_passes import add_world_args, config_strategies, load_world
-from specgen.decoding import ar, ssd
+from specgen.decoding import ar, ssd, ssd_tail
 from specgen.decoding.sampling import make_rngs
-from specgen.decoding.ssd_window import CarryWindow
 from specgen.utils.checkpoints import atomic_write_text
 
-DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (CarryWindow, "_redraft"), (CarryWindow, "_reweight"))
+DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (ssd_tail, "redraft"), (ssd_tail, "reweight"))
 
 
 class Clock:

@@ -30,7 +30,8 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, inverse_cdf, sample_probs, uniform
-from specgen.decoding.ssd_window import CarryRule, CarryWindow, left_table
+from specgen.decoding.ssd_tail import left_table
+from specgen.decoding.ssd_window import CarryRule, CarryWindow
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
@@ -149,21 +150,38 @@ def _draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Te
     return torch.stack(codes, 1), torch.stack(qs, 1)  # (S, W), (S, W, V)
 
 
+# options only the carry window reads: name -> (its least value, its value when off, what it does, what stands in for
+# it without carry)
+_CARRY_ONLY = {
+    "second_row_wait": (0, None, "holds back the second row of the carry window",
+                        "a row is drafted when the row above is done"),
+    "max_row_passes": (1, None, "caps the passes over a carried row", "`rounds` bounds a row's passes"),
+    "max_fed": (1, None, "bounds the slots a carry-window pass feeds", "a pass feeds its row"),
+    "siblings": (0, 0, "judges the token after a pass's first change in the same pass",
+                 "every column is judged each pass"),
+    "redraft": (0, 0, "re-drafts tokens carried to the next pass", "the paper's rule keeps no carried tokens"),
+    "reweight": (0, 0, "draws the tokens after a pass's first change again",
+                 "the paper's rule keeps no carried tokens")}
+_HIDDEN_STATES_ONLY = {  # options that read the drafter's hidden states: name -> what they do with them
+    "redraft": "chains f_phi.right from a target state",
+    "reweight": "reads how the drafter's prediction moves with the token before it"}
+
+
 def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperature: float,
                    slots: int | None = None) -> None:
     """Clear errors for settings out of range or that do not combine."""
-    carry_only = {  # name -> (its least value, what it does, what bounds it without carry)
-        "second_row_wait": (0, "holds back the second row of the carry window",
-                            "a row is drafted when the row above is done"),
-        "max_row_passes": (1, "caps the passes over a carried row", "`rounds` bounds a row's passes")}
-    for name, (least, what, without) in carry_only.items():
+    for name, (least, off, what, without) in _CARRY_ONLY.items():
         value = getattr(rule, name)
         if value is None:
             continue
         expect_int(name, value, least)
-        if not carry:
+        if value != off and not carry:
             raise ValueError(f"{name}={value} {what} and needs carry=true (without carry, {without}); set "
-                             f"{name}=null or carry=true")
+                             f"{name}={'null' if off is None else off} or carry=true")
+    for name, what in _HIDDEN_STATES_ONLY.items():
+        if getattr(rule, name) and getattr(drafter, "predicts", "hidden") == "tokens":
+            raise ValueError(f"{name}={getattr(rule, name)} {what} and needs a hidden-state drafter; this one "
+                             f"predicts token ids: set {name}=0")
     if slots is not None and not carry:
         raise ValueError(f"slots={slots} (continuous batching) runs the carry window per image and needs "
                          f"carry=true; set carry=true or slots=null")
@@ -171,31 +189,9 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         raise ValueError("carry=True and exact=True do not combine: exact verification finalises tokens left to "
                          "right and never carries any; set one of them to false")
     expect_int("rounds", rule.rounds, 0)
-    for name, least in (("max_lead", 0), ("max_window_rows", 1), ("redraft_rows", 1), ("max_fed", 1)):
+    for name, least in (("max_lead", 0), ("max_window_rows", 1), ("redraft_rows", 1)):
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
-    expect_int("redraft", rule.redraft, 0)
-    expect_int("siblings", rule.siblings, 0)
-    if rule.siblings and not carry:
-        raise ValueError(f"siblings={rule.siblings} judges the token after a pass's first change in the same pass and "
-                         f"needs carry=true (without carry, every column is judged each pass); set siblings=0 or "
-                         f"carry=true")
-    if rule.max_fed is not None and not carry:
-        raise ValueError(f"max_fed={rule.max_fed} bounds the slots a carry-window pass feeds and needs carry=true "
-                         f"(without carry a pass feeds its row); set max_fed=null or carry=true")
-    if rule.redraft and not carry:
-        raise ValueError(f"redraft={rule.redraft} re-drafts tokens carried to the next pass and needs carry=true "
-                         f"(the paper's rule keeps no carried tokens); set redraft=0 or carry=true")
-    expect_int("reweight", rule.reweight, 0)
-    if rule.reweight and not carry:
-        raise ValueError(f"reweight={rule.reweight} draws the tokens after a pass's first change again and needs "
-                         f"carry=true (the paper's rule keeps no carried tokens); set reweight=0 or carry=true")
-    if rule.reweight and getattr(drafter, "predicts", "hidden") == "tokens":
-        raise ValueError(f"reweight={rule.reweight} reads how the drafter's prediction moves with the token before it "
-                         f"and needs a hidden-state drafter; this one predicts token ids: set reweight=0")
-    if rule.redraft and getattr(drafter, "predicts", "hidden") == "tokens":
-        raise ValueError(f"redraft={rule.redraft} chains f_phi.right from a target state and needs a hidden-state "
-                         f"drafter; this one predicts token ids: set redraft=0")
     expect_float("temperature", temperature, 0.0)
     rules = ("speculative", "typical", "typical_carried")
     if rule.acceptance not in rules:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specgen.decoding.sampling import accept_or_resample, sample_probs, typical_accept
+from specgen.decoding import ssd_tail
+from specgen.decoding.sampling import accept_or_resample, typical_accept
 from specgen.decoding.ssd_pass_stats import PassStats
 from specgen.decoding.state import SpecState
 
@@ -266,9 +267,9 @@ class CarryWindow:
             self.final_upto[b] = pos[own[first]] + 1  # final through the first change (and a sibling's judgement)
             kept = self._cap_rows(b, own, int(front[b]))
             if self.rule.redraft and changed.any() and not kept:
-                redrafts.append(self._redraft(b, window, first, new[b]))
+                redrafts.append(ssd_tail.redraft(self, b, window, first, new[b]))
             if self.rule.reweight and changed.any() and not kept:
-                redrafts.append(self._reweight(b, own, first, cur[b], new[b], p[b]))
+                redrafts.append(ssd_tail.reweight(self, b, own, first, cur[b], new[b], p[b]))
             self._record_first_judgement(b, pos[own], acc[0], accept_map)
             if self.spent[b] <= self.rule.rounds:  # within the newest row's budget (later passes: carried tokens)
                 rounds_used[b, int(self.next_row[b]) - 1] += 1
@@ -344,7 +345,7 @@ class CarryWindow:
         match = ((slots[b] == c) & (tokens[b] == new[b, own[first]])).nonzero().flatten()
         if not match.numel() or first + 1 >= own.numel() or int(pos[own[first + 1]]) != c + 1:
             return 0
-        rep = torch.tensor([b + k * st.B for k in range(st.reps)], device=pos.device)
+        rep = ssd_tail.image_rows(st, b)
         h = states[rep, int(match[0])]  # (reps, D): the state after the drawn token
         st.hid.put(rep, c, h)  # drafts and re-drafts read the state after the final token
         nxt, gens, rule = own[first + 1:first + 2], st.image_gens([b]), self.rule
@@ -383,98 +384,7 @@ class CarryWindow:
         self.stats.counts["finalised"][b] += kept
         return kept
 
-    def _redraft(self, b: int, own: torch.Tensor, first: int, tokens: torch.Tensor):
-        """Re-draft image b's tokens after its first change, up to `redraft` of them in the changed token's row, by
-        chaining f_phi.right from the target state before the change (fresh: every token before it is final) through
-        the corrected token. Their old values were judged (or resampled) given the token the change replaced: the
-        stale left context that makes carried tokens change. Writes the drafts into `tokens` (n,) at the window's
-        slots; returns (b, slots, q) for the proposals."""
-        st, g, pos = self.st, self.st.g, self.pos
-        at = int(pos[own[first]])
-        row = g.row_col(at)[0]
-        if row >= self.redraft_rows:  # no re-drafts in this row (checked on ints first: most passes end here)
-            return b, own[:0], self.prop.new_zeros(0, g.num_visual)
-        tail = own[first + 1: first + 1 + self.rule.redraft]
-        tail = tail[g.row_col(pos[tail])[0] == row]  # the changed token's row only
-        if not tail.numel():
-            return b, tail, self.prop.new_zeros(0, g.num_visual)
-        rep = torch.tensor([b + k * st.B for k in range(st.reps)], device=pos.device)
-        h, tok, qs = st.hid[rep, at - 1], tokens[own[first]].view(1), []
-        for slot in tail.tolist():
-            h = self.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
-            q = st.dist(h, self.rule.draft_temperature)  # (1, V)
-            tok = sample_probs(q, st.image_gens([b]))
-            tokens[slot] = tok[0]
-            qs.append(q[0])
-        st.draft_calls += tail.numel()
-        return b, tail, torch.stack(qs)
-
-    def _reweight(self, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, tokens: torch.Tensor,
-                  p: torch.Tensor):
-        """`reweight`: draw image b's tokens after its first change (window slot own[first]) again, up to `reweight` of
-        them in the changed token's row (not in the rows `redraft` serves): in a row drafted down, from the down draft
-        of each column given the new and the old left tokens; in a row drafted by f_phi.right (the first), from its
-        chain from the state before the change through the new and the old tokens. `fed` (n,): the window's tokens as
-        this pass fed them; `tokens` (n,): as it judged them, written in place; `p` (n, V): this pass's
-        distributions. Returns (b, slots, q') for the proposals."""
-        st, g, pos = self.st, self.st.g, self.pos
-        at = int(pos[own[first]])
-        row = g.row_col(at)[0]
-        cached = st.memo["down_rows"].get((b, row))
-        tail = own[first + 1: first + 1 + self.rule.reweight]
-        tail = tail[pos[tail] < g.position(row, g.width)]  # the changed token's row only
-        if (self.rule.redraft and row < self.redraft_rows) or not tail.numel():
-            return b, own[:0], self.prop.new_zeros(0, g.num_visual)
-        temperature = st.temperature if st.temperature > 0 else 1.0
-        qs = []
-        if cached is None:  # a row drafted by f_phi.right (the first): chain it from the state before the change
-            rep = torch.tensor([b + j * st.B for j in range(st.reps)], device=pos.device)
-            h = st.hid[rep, at - 1].expand(2, -1, -1)  # (2, reps, D): after the new and after the old tokens
-            new_tok, old_tok = tokens[own[first]], fed[own[first]]
-            for slot in tail.tolist():
-                e = st.embed(torch.stack([new_tok, old_tok]))[:, None].expand(-1, st.reps, -1)
-                h = self.drafter.right(h, e)
-                logits = st.logits(h.transpose(0, 1).reshape(-1, h.shape[-1]))  # (2, V): new, old
-                q = torch.softmax(p[slot].log() + (logits[0] - logits[1]) / temperature, -1)
-                new_tok, old_tok = sample_probs(q[None], st.image_gens([b]))[0], fed[slot]
-                tokens[slot] = new_tok
-                qs.append(q)
-            st.draft_calls += tail.numel()
-            return b, tail, torch.stack(qs)
-        trunk, hidden = cached  # (reps, W, width), (reps, W, D)
-        table = left_table(st, self.drafter)  # (k, image tokens, width)
-        k = table.shape[0]
-        for slot in tail.tolist():
-            s, c = int(pos[slot]), int(pos[slot]) - g.position(row, 0)
-            left = []  # the k tokens before s, nearest first, as judged (new) and as fed (old)
-            for j in range(1, k + 1):
-                i = slot - j
-                if s - j >= at:  # a window token at or after the change: judged and fed values differ
-                    left.append(torch.stack([tokens[i], fed[i]]))
-                else:  # before the change: final, or judged as fed
-                    left.append(st.seq[b, s - j].expand(2))
-            feats = sum(table[j][tok] for j, tok in enumerate(left))  # (2, width): new, old
-            state = self.drafter.down_step(trunk[None, :, c], hidden[None, :, c], feats[:, None])  # (2, reps, D)
-            logits = st.logits(state.transpose(0, 1).reshape(-1, state.shape[-1]))  # (2, V): new, old
-            q = torch.softmax(p[slot].log() + (logits[0] - logits[1]) / temperature, -1)
-            tokens[slot] = sample_probs(q[None], st.image_gens([b]))[0]
-            qs.append(q)
-        st.draft_calls += tail.numel()
-        return b, tail, torch.stack(qs)
-
     def pass_stats(self) -> dict[str, torch.Tensor]:
         """Per image, where the passes went (`ssd_pass_stats.PassStats.summary`)."""
         return self.stats.summary(self.passes)
 
-
-def left_table(st: SpecState, drafter) -> torch.Tensor:
-    """(k, image tokens, width): each left map of `drafter` (nearest first) applied to every image token's embedding
-    (visual codes, then the forced tokens), computed once per generation (`st.memo`): a row drafted column by column
-    looks its left context's features up instead of computing them per column."""
-    if "left_table" not in st.memo:
-        g = st.g
-        tokens = torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device)
-        e = st.embed(tokens)
-        maps = drafter.left_maps() if hasattr(drafter, "left_maps") else [drafter.left_in]
-        st.memo["left_table"] = torch.stack([m(e) for m in maps])
-    return st.memo["left_table"]

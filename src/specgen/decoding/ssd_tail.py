@@ -1,0 +1,112 @@
+"""The tokens after a pass's first change in SSD's carry window (`ssd_window.CarryWindow`). They were judged (or
+resampled) given the token the change replaced, and change again in the next pass about a third of the time. Beyond
+the paper, two ways to propose them again before that pass: `redraft` chains f_phi.right from the fresh target state
+before the change through the new token; `reweight` moves the pass's own p of each by the drafter's estimate of what
+the change did, p(x | old) * f(x | new) / f(x | old). Each returns (image, window slots, proposals): the new tokens are
+written into the window's tokens and judged next pass against those proposals, as fresh drafts are."""
+from __future__ import annotations
+
+import torch
+
+from specgen.decoding.sampling import sample_probs
+from specgen.decoding.state import SpecState
+
+
+def image_rows(st: SpecState, b: int) -> torch.Tensor:
+    """(reps,) the rows of image b's streams (conditional, then unconditional) in the state's (B', ...) tensors."""
+    return torch.tensor([b + k * st.B for k in range(st.reps)], device=st.seq.device)
+
+
+def _tail(win, own: torch.Tensor, first: int, depth: int) -> tuple[int, int, torch.Tensor]:
+    """(slot of the change, its row, the window slots of up to `depth` tokens after it in that row)."""
+    g, pos = win.st.g, win.pos
+    at = int(pos[own[first]])
+    row = g.row_col(at)[0]
+    tail = own[first + 1: first + 1 + depth]
+    return at, row, tail[pos[tail] < g.position(row, g.width)]
+
+
+def _none(win, b: int, own: torch.Tensor):
+    return b, own[:0], win.prop.new_zeros(0, win.st.g.num_visual)
+
+
+def redraft(win, b: int, own: torch.Tensor, first: int, tokens: torch.Tensor):
+    """`redraft`: image b's tokens after its first change (window slot own[first]), up to `redraft` of them in the
+    changed token's row and only in the first `redraft_rows` rows, drafted again by chaining f_phi.right from the
+    target state before the change (fresh: every token before it is final) through the corrected token. Writes the
+    drafts into `tokens` (n,) at the window's slots."""
+    st = win.st
+    if st.g.row_col(int(win.pos[own[first]]))[0] >= win.redraft_rows:  # on ints first: most passes end here
+        return _none(win, b, own)
+    at, _, tail = _tail(win, own, first, win.rule.redraft)
+    if not tail.numel():
+        return _none(win, b, own)
+    h, tok, qs = st.hid[image_rows(st, b), at - 1], tokens[own[first]].view(1), []
+    for slot in tail.tolist():
+        h = win.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
+        q = st.dist(h, win.rule.draft_temperature)  # (1, V)
+        tok = sample_probs(q, st.image_gens([b]))
+        tokens[slot] = tok[0]
+        qs.append(q[0])
+    st.draft_calls += tail.numel()
+    return b, tail, torch.stack(qs)
+
+
+def reweight(win, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor):
+    """`reweight`: image b's tokens after its first change (window slot own[first]), up to `reweight` of them in the
+    changed token's row (not in the rows `redraft` serves), drawn again from q' ~ p * f(new) / f(old). f: in a row
+    drafted down (its trunk and states above kept in `st.memo["down_rows"]`), the down draft of each column given the
+    new and the old left tokens; in a row drafted by f_phi.right (the first), its chain from the state before the
+    change through the new and the old tokens. `fed` (n,): the window's tokens as this pass fed them; `tokens` (n,):
+    as it judged them, written in place; `p` (n, V): this pass's distributions."""
+    st = win.st
+    at, row, tail = _tail(win, own, first, win.rule.reweight)
+    if (win.rule.redraft and row < win.redraft_rows) or not tail.numel():
+        return _none(win, b, own)
+    cached = st.memo["down_rows"].get((b, row))
+    if cached is None:  # chain f_phi.right: the states after the new and after the old tokens, (2, reps, D)
+        h = st.hid[image_rows(st, b), at - 1].expand(2, -1, -1)
+        pair = torch.stack([tokens[own[first]], fed[own[first]]])
+    else:
+        trunk, hidden = cached  # (reps, W, width), (reps, W, D)
+        table = left_table(st, win.drafter)  # (k, image tokens, width)
+    qs = []
+    for slot in tail.tolist():
+        s = int(win.pos[slot])
+        if cached is None:
+            h = win.drafter.right(h, st.embed(pair)[:, None].expand(-1, st.reps, -1))
+        else:  # the k tokens before s, nearest first, as judged (new) and as fed (old); before the change: final
+            left = [torch.stack([tokens[slot - j], fed[slot - j]]) if s - j >= at else st.seq[b, s - j].expand(2)
+                    for j in range(1, table.shape[0] + 1)]
+            c = s - st.g.position(row, 0)
+            feats = sum(table[j][tok] for j, tok in enumerate(left))  # (2, width): new, old
+            h = win.drafter.down_step(trunk[None, :, c], hidden[None, :, c], feats[:, None])  # (2, reps, D)
+        q, tok = _redraw(st, b, p[slot], h)
+        tokens[slot] = tok
+        qs.append(q)
+        if cached is None:  # the next step of the chains: after this token as drawn and as fed
+            pair = torch.stack([tok, fed[slot]])
+    st.draft_calls += tail.numel()
+    return b, tail, torch.stack(qs)
+
+
+def _redraw(st: SpecState, b: int, p: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q' = norm(p * exp((l_new - l_old) / T)) from the drafter's states (2, reps, D) given the new and the old token
+    (guided logits l, at the sampling temperature T), and image b's draw from it."""
+    logits = st.logits(states.transpose(0, 1).reshape(-1, states.shape[-1]))  # (2, V): new, old
+    temperature = st.temperature if st.temperature > 0 else 1.0
+    q = torch.softmax(p.log() + (logits[0] - logits[1]) / temperature, -1)
+    return q, sample_probs(q[None], st.image_gens([b]))[0]
+
+
+def left_table(st: SpecState, drafter) -> torch.Tensor:
+    """(k, image tokens, width): each left map of `drafter` (nearest first) applied to every image token's embedding
+    (visual codes, then the forced tokens), computed once per generation (`st.memo`): a row drafted column by column
+    looks its left context's features up instead of computing them per column."""
+    if "left_table" not in st.memo:
+        g = st.g
+        tokens = torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device)
+        e = st.embed(tokens)
+        maps = drafter.left_maps() if hasattr(drafter, "left_maps") else [drafter.left_in]
+        st.memo["left_table"] = torch.stack([m(e) for m in maps])
+    return st.memo["left_table"]
