@@ -56,3 +56,23 @@ def check_lossless_cspd(target, draft, prompts: list, opts: dict, max_proposals:
     draft_only, _ = mar.generate(draft, prompts, make_rngs(range(n)), **opts)
     assert st_.ks_2samp(draft_only.sum((1, 2)).numpy(), ref.sum((1, 2)).numpy()).pvalue < 1e-3
     return st
+
+
+def tiny_drafter_overrides(name: str, overrides: list[str], tiny_exports, tmp_path) -> list[str]:
+    """Overrides that point every strategy's drafter of a composed config at the matching tiny export, so that a
+    strategy added to an experiment is covered without editing the test."""
+    from pathlib import Path
+
+    cfg = compose_cfg(name, overrides, tmp_path)
+    kinds = {"fphi": "fphi", "mtp": "mtp", "ar_": "ar"}
+    out = []
+    for s, node in cfg.strategies.items():
+        drafter = node.fn.get("drafter") if "fn" in node else None
+        if drafter is None or "dirpath" not in drafter:
+            continue
+        base = Path(drafter.dirpath).name
+        kind = next((v for k, v in kinds.items() if base.startswith(k)), None)
+        if kind is None:
+            raise ValueError(f"strategy {s!r}: no tiny export for a drafter at {base!r}; add its prefix to `kinds`")
+        out.append(f"strategies.{s}.fn.drafter.dirpath={Path(tiny_exports) / kind}")
+    return out

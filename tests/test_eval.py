@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import compose_cfg
+from helpers import compose_cfg, tiny_drafter_overrides
 from specgen.evaluation.geneval import Object, evaluate, read_metadata, summarize
 
 TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
@@ -371,16 +371,13 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
 
     from specgen.eval import evaluate as run_eval
 
-    strategies = ("ar", "ssd", "ssd_paper", "ssd_exact", "ssd_typical_carried", "ssd_row_draft", "sjd", "zipar", "mtp1d",
-                  "specdec")
-    drafters = {"ssd": "fphi", "ssd_paper": "fphi", "ssd_exact": "fphi", "ssd_typical_carried": "fphi",
-                "ssd_row_draft": "fphi", "mtp1d": "mtp", "specdec": "ar"}
-    cfg = compose_cfg("eval", ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
-                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
-                               "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2",
-                               "speed.num_prompts=2", "speed.batch_sizes=[1,2]", "speed.entropy_prompts=2",
-                               "logger=csv", *[f"strategies.{s}.fn.drafter.dirpath={tiny_exports / d}"
-                                               for s, d in drafters.items()]], tmp_path)
+    base = ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
+            f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
+            "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2", "speed.num_prompts=2",
+            "speed.batch_sizes=[1,2]", "speed.entropy_prompts=2", "logger=csv"]
+    cfg = compose_cfg("eval", base + tiny_drafter_overrides("eval", base, tiny_exports, tmp_path), tmp_path)
+    strategies = tuple(cfg.strategies)
+    assert {"ar", "ssd", "ssd_no_reweight", "ssd_paper", "sjd", "zipar", "mtp1d", "specdec"} <= set(strategies)
     m = run_eval(cfg)
     for s in strategies:
         for key in ("speed/nfe", "speed/nfe_ratio", "speed/latency_s", "speed/wall_ratio", "speed/wall_ratio_bs1",
@@ -437,15 +434,12 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cfg = compose_cfg("eval", ["experiment=quickstart", f"generator.backbone_dir={tiny_exports / 'ar'}",
-                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
-                               "benchmark.geneval.samples_per_prompt=1", "benchmark.dpg.num_prompts=1",
-                               "benchmark.clipscore.num_prompts=2", "benchmark.fidelity.num_prompts=4",
-                               f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
-                               f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
-                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_paper.fn.drafter.dirpath={tiny_exports / 'fphi'}", "speed.num_prompts=1",
-                               "logger=wandb"], tmp_path)
+    base = ["experiment=quickstart", f"generator.backbone_dir={tiny_exports / 'ar'}",
+            f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
+            "benchmark.geneval.samples_per_prompt=1", "benchmark.dpg.num_prompts=1", "benchmark.clipscore.num_prompts=2",
+            "benchmark.fidelity.num_prompts=4", f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
+            f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}", "speed.num_prompts=1", "logger=wandb"]
+    cfg = compose_cfg("eval", base + tiny_drafter_overrides("eval", base, tiny_exports, tmp_path), tmp_path)
     m = run_eval(cfg)
     for s in ("ar", "ssd", "ssd_paper", "sjd"):
         for key in ("geneval/overall", "dpg/overall", "clipscore/clipscore_100cos", "fidelity/fid", "speed/nfe_ratio"):
@@ -461,15 +455,10 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
     """benchmark=none on an experiment that sets GenEval sizes: speed only, no error."""
     from specgen.eval import evaluate as run_eval
 
-    cfg = compose_cfg("eval", ["experiment=discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
-                               f"generator.tokenizer_dir={tiny_exports / 'vq'}", "~strategies.mtp1d", "~strategies.specdec",
-                               f"strategies.ssd.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_paper.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_exact.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_typical_carried.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               f"strategies.ssd_row_draft.fn.drafter.dirpath={tiny_exports / 'fphi'}",
-                               "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"],
-                      tmp_path)
+    base = ["experiment=discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
+            f"generator.tokenizer_dir={tiny_exports / 'vq'}", "~strategies.mtp1d", "~strategies.specdec",
+            "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"]
+    cfg = compose_cfg("eval", base + tiny_drafter_overrides("eval", base, tiny_exports, tmp_path), tmp_path)
     m = run_eval(cfg)
     assert "ssd/speed/nfe_ratio" in m and not any("/geneval/" in k for k in m)
 
