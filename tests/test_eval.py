@@ -392,6 +392,7 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
     assert (out / "speed_quality.png").stat().st_size > 0 and (out / "accept_map_ssd.png").is_file()
     table = capsys.readouterr().out
     assert all(f"\n{s} " in table for s in strategies) and "GenEval (95%)" in table
+    assert "targets of ssd:" in table and "pass_ratio_bs1" in (out / "summary.txt").read_text()
 
 
 def test_collect_keeps_strategy_names_of_side_by_side_jobs(tmp_path):

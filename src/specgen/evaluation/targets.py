@@ -1,0 +1,105 @@
+"""The targets a side-by-side speed run checks after its table (`targets:` in an experiment config, e.g.
+`experiment=discrete_speed`): one strategy against the run's reference (its first strategy), each target with the
+measured value, its goal, its floor and a verdict:
+
+- `met`: at or past the goal; `floor`: short of the goal, at or past the floor; `missed`: short of the floor;
+- `not measured`: the run lacks the metric (a speed-only run has no GenEval; a batch size the run did not time).
+
+The checks read the run's metrics only, so they say what this run measured, on this machine, with its sample sizes.
+
+    targets:
+      strategy: ssd                       # the strategy the targets are for
+      pass_ratio_bs1: [8.0, 6.0]          # goal, floor: times fewer target passes than the reference at batch 1
+      wall_ratio_bs1: [3.5, 3.0]          # goal, floor: times the reference's wall clock at batch 1
+      batch_share: [16, 0.85]             # batch size, least share of the batch-1 pass ratio kept there
+      geneval_max_ci95: 0.03              # GenEval not significantly below the reference's, at intervals this tight
+      peers: [sjd, zipar]                 # strategies it must beat in passes at batch 1 (at equal quality)
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+VERDICTS = ("met", "floor", "missed", "not measured")
+
+
+def _verdict(value: float | None, goal: float, floor: float | None = None) -> str:
+    if value is None:
+        return "not measured"
+    if value >= goal:
+        return "met"
+    return "floor" if floor is not None and value >= floor else "missed"
+
+
+def _pair(spec: Mapping, key: str) -> tuple[float, float]:
+    value = spec[key]
+    if not isinstance(value, Sequence) or len(value) != 2 or not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError(f"targets.{key}={value!r}: give [goal, floor] as two numbers, e.g. [8.0, 6.0]")
+    goal, floor = float(value[0]), float(value[1])
+    if floor > goal:
+        raise ValueError(f"targets.{key}={value!r}: the floor ({floor}) is above the goal ({goal}); give [goal, floor]")
+    return goal, floor
+
+
+def check_targets(metrics: Mapping[str, float], spec: Mapping, reference: str) -> list[dict]:
+    """The verdict of each target in `spec` (the experiment's `targets:` node) from a speed run's `metrics`, whose
+    reference strategy is `reference`. Each row: target, value, goal, floor, verdict, detail."""
+    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "geneval_max_ci95", "peers"}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"targets: unknown keys {unknown}: expected some of {sorted(known)}")
+    if "strategy" not in spec:
+        raise ValueError("targets: name the strategy the targets are for (targets.strategy=ssd)")
+    s = spec["strategy"]
+    get = lambda key: metrics.get(f"{s}/{key}")  # noqa: E731
+    rows = []
+    for key, metric, what in (("pass_ratio_bs1", "speed/nfe_ratio_bs1", "target passes"),
+                              ("wall_ratio_bs1", "speed/wall_ratio_bs1", "wall clock")):
+        if key in spec:
+            goal, floor = _pair(spec, key)
+            value = get(metric)
+            ci = get(metric.replace("_ratio", "_ratio_ci95")) if "nfe" in metric else None
+            rows.append(dict(target=f"{key}: {reference}'s {what} over {s}'s, batch 1", value=value, goal=goal, floor=floor,
+                             verdict=_verdict(value, goal, floor),
+                             detail="" if ci is None else f"+-{ci:.2f} (95%)"))
+    if "batch_share" in spec:
+        batch, share = spec["batch_share"]
+        one, many = get("speed/nfe_ratio_bs1"), get(f"speed/nfe_ratio_bs{int(batch)}")
+        value = None if one is None or many is None else many / one
+        rows.append(dict(target=f"batch_share: pass ratio at batch {int(batch)} over batch 1's", value=value,
+                         goal=float(share), floor=None, verdict=_verdict(value, float(share)),
+                         detail="" if value is None else f"{many:.2f}x against {one:.2f}x"))
+    if "geneval_max_ci95" in spec:
+        diff, ci = get("geneval/overall_diff"), get("geneval/overall_diff_ci95")
+        own, ref = get("geneval/overall_ci95"), metrics.get(f"{reference}/geneval/overall_ci95")
+        limit = float(spec["geneval_max_ci95"])
+        if diff is None or ci is None or own is None or ref is None:
+            verdict, value, detail = "not measured", None, "no GenEval in this run"
+        else:
+            value = diff + ci  # the paired difference's upper 95% end: below 0 means significantly worse
+            tight = max(own, ref) <= limit
+            verdict = "met" if value >= 0 and tight else "missed"
+            detail = (f"paired {diff:+.3f} +-{ci:.3f}; intervals +-{own:.3f} / +-{ref:.3f} "
+                      f"({'within' if tight else 'wider than'} +-{limit:.2f})")
+        rows.append(dict(target=f"geneval: upper 95% end of {s}'s minus {reference}'s",
+                         value=value, goal=0.0, floor=None, verdict=verdict, detail=detail))
+    for peer in spec.get("peers") or []:
+        own, other = get("speed/nfe_bs1"), metrics.get(f"{peer}/speed/nfe_bs1")
+        value = None if own is None or other is None else other / own
+        quality = metrics.get(f"{peer}/geneval/overall_diff")
+        rows.append(dict(target=f"peers: {peer}'s target passes over {s}'s, batch 1", value=value, goal=1.0,
+                         floor=None, verdict="not measured" if value is None else "met" if value > 1.0 else "missed",
+                         detail="" if quality is None else f"{peer}'s GenEval minus {reference}'s: {quality:+.3f}"))
+    return rows
+
+
+def format_targets(rows: list[dict], strategy: str) -> str:
+    """The verdicts as the lines a run prints under its table."""
+    if not rows:
+        return ""
+    w = max(len(r["target"]) for r in rows) + 2
+    lines = [f"targets of {strategy}:"]
+    for r in rows:
+        value = "-" if r["value"] is None else f"{r['value']:.2f}"
+        goal = f"{r['goal']:.2f}" + ("" if r["floor"] is None else f" (floor {r['floor']:.2f})")
+        lines.append(f"  {r['target']:<{w}}{value:>8}  goal {goal:<20}{r['verdict']:<14}{r['detail']}".rstrip())
+    return "\n".join(lines)
