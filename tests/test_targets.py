@@ -1,7 +1,7 @@
 """The targets a speed run checks under its table, from hand-made metrics."""
 import pytest
 
-from specgen.evaluation.targets import check_targets, format_targets
+from specgen.evaluation.targets import check_targets, format_targets, validate_targets
 
 SPEC = dict(strategy="ssd", pass_ratio_bs1=[8.0, 6.0], wall_ratio_bs1=[3.5, 3.0], batch_share=[16, 0.85],
             geneval_max_ci95=0.03, peers=["sjd", "zipar"])
@@ -56,7 +56,10 @@ def test_what_the_run_did_not_measure_says_so():
 @pytest.mark.parametrize("spec, match", [(dict(SPEC, speedup=2), "unknown keys \\['speedup'\\]"),
                                          (dict(SPEC, pass_ratio_bs1=[6.0, 8.0]), "floor \\(8.0\\) is above"),
                                          (dict(SPEC, wall_ratio_bs1=3.0), "give \\[goal, floor\\]"),
-                                         ({k: v for k, v in SPEC.items() if k != "strategy"}, "targets.strategy")])
+                                         (dict(SPEC, batch_share=[16, 85]), "share in \\(0, 1\\]"),
+                                         (dict(SPEC, strategy="sdd"), "targets.strategy='sdd': name one of"),
+                                         ({k: v for k, v in SPEC.items() if k != "strategy"}, "targets.strategy=None")])
 def test_a_malformed_spec_names_the_value_and_the_fix(spec, match):
     with pytest.raises(ValueError, match=match):
-        check_targets({}, spec, "ar")
+        validate_targets(spec, ["ar", "ssd", "sjd"])
+    validate_targets(SPEC, ["ar", "ssd"])  # the well-formed spec passes, its peers left out of the run included

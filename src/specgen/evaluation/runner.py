@@ -19,7 +19,7 @@ from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captio
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS, paired_difference
 from specgen.evaluation.speed import compare, prompts_needed
-from specgen.evaluation.targets import check_targets, format_targets
+from specgen.evaluation.targets import check_targets, format_targets, validate_targets
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,9 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     benchmarks (if any), then speed side by side (the first strategy is the reference)."""
     out_dir = Path(cfg.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.get("targets"):  # a malformed spec fails now, not after the run
-        check_targets({}, OmegaConf.to_container(cfg.targets, resolve=True), next(iter(cfg.strategies)))
+    targets = OmegaConf.to_container(cfg.targets, resolve=True) if cfg.get("targets") else None
+    if targets:  # a malformed spec fails now, not after the run
+        validate_targets(targets, [s.name for s in cfg.strategies.values()])
     backbone = instantiate(cfg.generator) if backbone is None else backbone
     benchmarks = build_benchmarks(cfg) if benchmarks is None else benchmarks
     metrics, rows, maps, images = {}, [], {}, {}
@@ -165,9 +166,8 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     names = list(strategies)
     speed_figures(cfg, metrics, names, maps, out_dir)
     table = summary_table(metrics, names, list(cfg.speed.batch_sizes))
-    if cfg.get("targets"):  # the experiment's targets for one strategy: met, floor or missed, under the table
-        spec = OmegaConf.to_container(cfg.targets, resolve=True)
-        table += "\n\n" + format_targets(check_targets(metrics, spec, names[0]), spec["strategy"])
+    if targets:  # the experiment's targets for one strategy: met, floor or missed, under the table
+        table += "\n\n" + format_targets(check_targets(metrics, targets, names[0]), targets["strategy"])
     atomic_write_text(out_dir / "summary.txt", table + "\n")
     _log(cfg, metrics, None, rows, out_dir, summary_rows(metrics, names, list(cfg.speed.batch_sizes)))
     print(format_table(metrics))

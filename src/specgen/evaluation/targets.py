@@ -19,9 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-VERDICTS = ("met", "floor", "missed", "not measured")
-
-
 def _verdict(value: float | None, goal: float, floor: float | None = None) -> str:
     if value is None:
         return "not measured"
@@ -40,15 +37,32 @@ def _pair(spec: Mapping, key: str) -> tuple[float, float]:
     return goal, floor
 
 
-def check_targets(metrics: Mapping[str, float], spec: Mapping, reference: str) -> list[dict]:
-    """The verdict of each target in `spec` (the experiment's `targets:` node) from a speed run's `metrics`, whose
-    reference strategy is `reference`. Each row: target, value, goal, floor, verdict, detail."""
+def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
+    """Refuse a malformed `targets:` node before a run spends its time: unknown keys, a target strategy the run does
+    not decode (`strategies`), a [goal, floor] that is not two numbers or has its floor above its goal, a batch share
+    that is not [batch size, share in (0, 1]]. Peers the run leaves out are allowed: they read `not measured`."""
     known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "geneval_max_ci95", "peers"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"targets: unknown keys {unknown}: expected some of {sorted(known)}")
-    if "strategy" not in spec:
-        raise ValueError("targets: name the strategy the targets are for (targets.strategy=ssd)")
+    if spec.get("strategy") not in strategies:
+        raise ValueError(f"targets.strategy={spec.get('strategy')!r}: name one of the run's strategies "
+                         f"{list(strategies)} (targets.strategy=ssd)")
+    for key in ("pass_ratio_bs1", "wall_ratio_bs1"):
+        if key in spec:
+            _pair(spec, key)
+    if "batch_share" in spec:
+        value = spec["batch_share"]
+        if not (isinstance(value, Sequence) and len(value) == 2 and isinstance(value[0], int) and value[0] > 1
+                and isinstance(value[1], (int, float)) and 0 < value[1] <= 1):
+            raise ValueError(f"targets.batch_share={value!r}: give [batch size above 1, share in (0, 1]], e.g. "
+                             f"[16, 0.85]")
+
+
+def check_targets(metrics: Mapping[str, float], spec: Mapping, reference: str) -> list[dict]:
+    """The verdict of each target in `spec` (the experiment's `targets:` node, checked by `validate_targets`) from a
+    speed run's `metrics`, whose reference strategy is `reference`. Each row: target, value, goal, floor, verdict,
+    detail."""
     s = spec["strategy"]
     get = lambda key: metrics.get(f"{s}/{key}")  # noqa: E731
     rows = []
