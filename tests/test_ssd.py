@@ -1249,3 +1249,80 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
     assert torch.equal(ssd.generate(m, p, point, temperature=0, **kw)[0], ref)
     with pytest.raises(ValueError, match="reweight"):
         ssd.generate(m, p, d, carry=True, reweight=-1)
+
+
+def _with_codebook(m: ShapesLlama, dim: int = 4, seed: int = 0) -> ShapesLlama:
+    """Attach a tiny random VQ tokenizer so that `acceptance=latent` finds the codebook's neighbours."""
+    from specgen.tokenizers.vq import VQAutoencoder
+
+    torch.manual_seed(seed)
+    return m.attach_tokenizer(VQAutoencoder(ch=8, mults=(2, 2), z_dim=dim, num_codes=m.grid.num_visual).eval())
+
+
+def test_code_neighbours_and_the_relaxed_test_against_a_hand_computation():
+    """code_neighbours: nearest other codes first; relaxed_accept (LANTERN): p(t) gains the mass of t's nearest codes
+    up to delta (the longest prefix of the nearest-first list that stays within it); delta 0 is the speculative test
+    draw for draw; a rejected token is redrawn from the residual norm(max(0, p - q))."""
+    from specgen.decoding.sampling import accept_or_resample, code_neighbours, relaxed_accept
+
+    e = torch.tensor([[0.0], [1.0], [3.0], [10.0]])  # on a line: 0's neighbours 1, 2, 3; 2's: 1, 0, 3
+    nb = code_neighbours(e, 3)
+    assert nb.tolist() == [[1, 2, 3], [0, 2, 3], [1, 0, 3], [2, 1, 0]]
+    with pytest.raises(ValueError, match="latent_k=4"):
+        code_neighbours(e, 4)
+    p = torch.tensor([0.10, 0.05, 0.25, 0.60])
+    q = torch.tensor([0.70, 0.10, 0.10, 0.10])
+    # token 0: p 0.10, neighbours 1 (0.05), 2 (0.25), 3 (0.60): cumulative 0.05, 0.30, 0.90
+    for delta, want in ((0.0, 0.10), (0.05, 0.15), (0.2, 0.15), (0.3, 0.40), (0.95, 1.0)):
+        n = 40000
+        t = torch.zeros(1, n, dtype=torch.long)
+        out, ok = relaxed_accept(t, p.expand(1, n, 4), q.expand(1, n, 4), nb, delta, make_rngs([3]))
+        rate = float(ok.float().mean())
+        assert abs(rate - min(1.0, want / 0.70)) < 0.01, (delta, rate)
+        redrawn = out[~ok]
+        if redrawn.numel():  # the residual max(0, p - q) = (0, 0, 0.15, 0.5) / 0.65
+            freq = torch.bincount(redrawn, minlength=4).float() / redrawn.numel()
+            assert torch.allclose(freq, torch.tensor([0, 0, 0.15, 0.5]) / 0.65, atol=0.02), freq
+    # delta 0: the speculative test, draw for draw
+    tokens = torch.randint(0, 4, (2, 50), generator=torch.Generator().manual_seed(0))
+    pp = torch.softmax(torch.randn(2, 50, 4, generator=torch.Generator().manual_seed(1)), -1)
+    qq = torch.softmax(torch.randn(2, 50, 4, generator=torch.Generator().manual_seed(2)), -1)
+    a = relaxed_accept(tokens, pp, qq, nb, 0.0, make_rngs([4, 5]))
+    b = accept_or_resample(tokens, pp, qq, make_rngs([4, 5]))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    # greedy (p one-hot): only the argmax is kept, even when it is the judged token's nearest code
+    onehot = torch.nn.functional.one_hot(torch.tensor([[1, 1]]), 4).float()
+    out, ok = relaxed_accept(torch.tensor([[1, 0]]), onehot, onehot, nb, 0.5)
+    assert ok.tolist() == [[True, False]] and out.tolist() == [[1, 1]]
+
+
+def test_latent_acceptance_in_the_carry_window():
+    """acceptance='latent': greedy output still equals AR's; latent_delta 0 decodes the speculative test's images and
+    passes; a large delta with many neighbours accepts more, so fewer passes; batch = batch 1; bad settings and a
+    backbone without a codebook are named."""
+    m = _with_codebook(tiny(True, grid=6))
+    p = m.prompts(PROMPTS + ["a green diamond"])
+    kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, redraft=2)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    out, _ = ssd.generate(m, p, noisy_drafter(m), temperature=0, acceptance="latent", latent_k=8, latent_delta=0.5,
+                          **kw)
+    assert torch.equal(out, ref)
+    spec, st_spec = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **kw)
+    zero, st_zero = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="latent",
+                                 latent_delta=0.0, **kw)
+    assert torch.equal(spec, zero) and torch.equal(st_spec["image_passes"], st_zero["image_passes"])
+    loose, st_loose = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="latent",
+                                   latent_k=20, latent_delta=0.6, **kw)
+    assert float(st_loose["image_passes"].mean()) < float(st_spec["image_passes"].mean())
+    for i in range(4):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), acceptance="latent",
+                                latent_k=20, latent_delta=0.6, **kw)
+        assert torch.equal(loose[i], one[0]) and st_loose["image_passes"][i] == st1["nfe"]
+    with pytest.raises(ValueError, match="latent_delta=1.0"):
+        ssd.generate(m, p, noisy_drafter(m), acceptance="latent", latent_delta=1.0, **kw)
+    with pytest.raises(ValueError, match="latent_k"):
+        ssd.generate(m, p, noisy_drafter(m), acceptance="latent", latent_k=0, **kw)
+    with pytest.raises(ValueError, match="acceptance='latent' .* needs carry=true"):
+        ssd.generate(m, p, noisy_drafter(m), carry=False, acceptance="latent")
+    with pytest.raises(RuntimeError, match="attach_tokenizer"):
+        ssd.generate(tiny(True, grid=6), p, noisy_drafter(m), acceptance="latent", **kw)

@@ -73,6 +73,10 @@ class Emu3Backbone(HFDiscreteBackbone):
         ids = torch.cat([ids, torch.full_like(ids[:, :, :1], self.specials["eol"])], 2).flatten(1)
         return torch.cat([ids, torch.tensor(self.tail, device=ids.device).expand(len(ids), -1)], 1)
 
+    def code_embeddings(self) -> torch.Tensor:
+        """Emu3's VQ codebook (num_visual, d): the latent space of `acceptance=latent`."""
+        return self.model.model.vqmodel.quantize.embedding.weight
+
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes (B, H, W) -> images (B, 3, 8H, 8W) in [0, 1] through Emu3's VQ decoder."""

@@ -61,6 +61,10 @@ class JanusBackbone(HFDiscreteBackbone):
         """Final norm, then the separate generation head."""
         return self.model.model.generation_head(self.final_norm(hidden.to(self.dtype)))
 
+    def code_embeddings(self) -> torch.Tensor:
+        """Janus's VQ codebook (num_visual, d): the latent space of `acceptance=latent`."""
+        return self.model.model.vqmodel.quantize.embedding.weight
+
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes (B, 24, 24) -> images (B, 3, 384, 384) in [0, 1] through Janus's VQ decoder."""

@@ -68,14 +68,20 @@ class LuminaBackbone(HFDiscreteBackbone):
         pad = tok.pad_token_id if tok.pad_token_id is not None else self.model.config.pad_token_id
         return Prompts(tuple(texts), cond, (self.header,) * len(texts), pad if pad is not None else 1, self.device)
 
+    def _load_vqgan(self, purpose: str) -> ChameleonVQGANDecoder:
+        if self.vqgan is None:
+            if not self.vqgan_path:
+                raise ValueError(f"{purpose} needs Chameleon's VQGAN: set generator.vqgan_path=<folder with "
+                                 f"vqgan.yaml and vqgan.ckpt> (Meta's release, tokenizer/)")
+            self.__dict__["vqgan"] = ChameleonVQGANDecoder.from_release(self.vqgan_path, self.device)
+        return self.vqgan
+
+    def code_embeddings(self) -> torch.Tensor:
+        """Chameleon's VQGAN codebook (num_visual, d): the latent space of `acceptance=latent`."""
+        return self._load_vqgan("acceptance=latent (code neighbours)").quantize.embedding.weight
+
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Codes (B, H, W) -> images (B, 3, 16H, 16W) in [0, 1] through Chameleon's VQGAN decoder."""
-        if self.vqgan is None:
-            if not self.vqgan_path:
-                raise ValueError("decoding Lumina-mGPT codes to pixels needs Chameleon's VQGAN: set "
-                                 "generator.vqgan_path=<folder with vqgan.yaml and vqgan.ckpt> (Meta's release, "
-                                 "tokenizer/)")
-            self.__dict__["vqgan"] = ChameleonVQGANDecoder.from_release(self.vqgan_path, self.device)
-        images = self.vqgan(codes.to(self.device))  # [-1, 1]
+        images = self._load_vqgan("decoding Lumina-mGPT codes to pixels")(codes.to(self.device))  # [-1, 1]
         return ((images.float() + 1) / 2).clamp(0, 1)

@@ -191,6 +191,12 @@ class ShapesLlama(nn.Module):
         self.__dict__["tokenizer"] = tokenizer
         return self
 
+    def code_embeddings(self) -> torch.Tensor:
+        """The attached tokenizer's codebook (num_visual, d): the latent space of `acceptance=latent`."""
+        if self.tokenizer is None:
+            raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<vq folder>))")
+        return self.tokenizer.quantizer.codebook
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """Visual codes (B, H, W) -> images (B, 3, S, S) in [0, 1] through the attached tokenizer."""
         if self.tokenizer is None:

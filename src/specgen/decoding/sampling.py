@@ -100,3 +100,35 @@ def typical_accept(tokens: torch.Tensor, p: torch.Tensor, epsilon: float, delta:
     entropy = -(p * p.clamp_min(1e-12).log()).sum(-1)
     accepted = pt > torch.clamp(delta * torch.exp(-entropy), max=epsilon)
     return torch.where(accepted, tokens, sample_probs(p, rngs)), accepted
+
+
+def code_neighbours(embeddings: torch.Tensor, k: int) -> torch.Tensor:
+    """Each code's k nearest other codes in the tokenizer's latent space, nearest first: (V, D) code embeddings ->
+    (V, k) ids (Euclidean distance; for a cosine codebook of unit vectors the same order as cosine similarity)."""
+    V = embeddings.shape[0]
+    if not 1 <= k < V:
+        raise ValueError(f"latent_k={k}: a code has {V - 1} other codes; use 1 <= latent_k <= {V - 1}")
+    e = embeddings.float()
+    dist = torch.cdist(e, e)
+    dist.fill_diagonal_(float("inf"))  # a code is not its own neighbour
+    return dist.topk(k, dim=-1, largest=False).indices
+
+
+def relaxed_accept(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, neighbours: torch.Tensor, delta: float,
+                   rngs: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """LANTERN's relaxed speculative test (Jang et al. 2025): keep token t ~ q with prob min(1, p~(t)/q(t)), where
+    p~(t) adds to p(t) the mass p gives t's nearest codes in latent space (nearest first, as many as keep the added
+    mass <= delta: moving that mass onto t changes p by at most delta in total variation); else redraw from the
+    residual norm(max(0, p - q)). Not lossless (delta 0: `accept_or_resample` exactly; under greedy decoding, p
+    one-hot, it keeps exactly the argmax for delta < 1). tokens (B, N), p/q (B, N, V), neighbours (V, k) ->
+    (tokens, accepted)."""
+    near = p.gather(-1, neighbours[tokens])  # (B, N, k) p of each token's neighbours, nearest first
+    added = near.cumsum(-1)
+    added = torch.where(added <= delta, added, torch.zeros_like(added)).amax(-1)  # the longest prefix within delta
+    pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) + added
+    qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt
+    resid = (p - q).clamp_min(0)
+    mass = resid.sum(-1, keepdim=True)
+    resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)
+    return torch.where(accepted, tokens, sample_probs(resid, rngs)), accepted

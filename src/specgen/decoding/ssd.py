@@ -193,7 +193,7 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
     expect_float("temperature", temperature, 0.0)
-    rules = ("speculative", "typical", "typical_carried")
+    rules = ("speculative", "typical", "typical_carried", "latent")
     if rule.acceptance not in rules:
         raise ValueError(f"acceptance={rule.acceptance!r} is not a verification rule; use one of {', '.join(rules)}")
     if rule.acceptance != "speculative":
@@ -202,6 +202,11 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
                              f"set carry=true or acceptance=speculative")
         expect_float("typical_epsilon", rule.typical_epsilon, 0.0)
         expect_float("typical_delta", rule.typical_delta, 0.0)
+        expect_int("latent_k", rule.latent_k, 1)
+        expect_float("latent_delta", rule.latent_delta, 0.0)
+        if rule.latent_delta >= 1:
+            raise ValueError(f"latent_delta={rule.latent_delta} would let a judgement move all of p's mass; "
+                             f"use 0 <= latent_delta < 1 (LANTERN's 0.1-0.4)")
     if rule.draft_temperature is not None:
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
     if rule.left_draft not in ("sequential", "above", "refine"):
@@ -217,13 +222,13 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
              redraft: int = 0, redraft_rows: int | None = None, slots: int | None = None,
              max_row_passes: int | None = None, second_row_wait: int | None = None,
              acceptance: str = "speculative", typical_epsilon: float = 0.09, typical_delta: float = 0.3,
-             left_draft: str = "sequential", siblings: int = 0, max_fed: int | None = None, reweight: int = 0):
+             latent_k: int = 16, latent_delta: float = 0.1, left_draft: str = "sequential", siblings: int = 0, max_fed: int | None = None, reweight: int = 0):
     """SSD sampling of visual codes (B, H, W). Returns (codes, stats).
     `draft_temperature` (default: `temperature`) warps the drafted distribution q only; 0 drafts the argmax
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
     `left_draft` (drafters with left context): how a down row is drafted, with or without carry. `max_lead`,
     `max_window_rows`, `redraft`, `redraft_rows`, `max_row_passes`, `second_row_wait`, `acceptance` (and its
-    `typical_*`), `siblings`, `max_fed` and `reweight` shape the carry window: see `ssd_window.CarryRule`, where each is
+    `typical_*` and `latent_*`), `siblings`, `max_fed` and `reweight` shape the carry window: see `ssd_window.CarryRule`, where each is
     documented.
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).
@@ -234,7 +239,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     rule = CarryRule(rounds=rounds, max_lead=max_lead, max_window_rows=max_window_rows,
                      draft_temperature=draft_temperature, redraft=redraft, redraft_rows=redraft_rows,
                      max_row_passes=max_row_passes, second_row_wait=second_row_wait, acceptance=acceptance,
-                     typical_epsilon=typical_epsilon, typical_delta=typical_delta, left_draft=left_draft,
+                     typical_epsilon=typical_epsilon, typical_delta=typical_delta, latent_k=latent_k,
+                     latent_delta=latent_delta, left_draft=left_draft,
                      siblings=siblings, max_fed=max_fed, reweight=reweight)
     _check_options(drafter, rule, exact, carry, temperature, slots)
     check_drafter(backbone, drafter, ("right", "down") if vertical else ("right",))

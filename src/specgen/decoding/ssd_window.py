@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.decoding import ssd_tail
-from specgen.decoding.sampling import accept_or_resample, typical_accept
+from specgen.decoding.sampling import accept_or_resample, code_neighbours, relaxed_accept, typical_accept
 from specgen.decoding.ssd_pass_stats import PassStats
 from specgen.decoding.state import SpecState
 
@@ -35,8 +35,10 @@ class CarryRule:
     is still far from final, and down drafts from it are mostly rejected (None: no wait);
     acceptance: how a window token is judged: "speculative", the paper's test (keep t ~ q with prob min(1, p/q), else
     draw from the residual); beyond the paper, "typical" (Medusa's typical acceptance: keep t when
-    p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless) or "typical_carried"
-    (fresh drafts by the speculative test, carried tokens by the typical one);
+    p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless), "typical_carried"
+    (fresh drafts by the speculative test, carried tokens by the typical one) or "latent" (LANTERN's relaxed test,
+    Jang et al. 2025: p(t) in the test gains the mass p gives t's `latent_k` nearest codes in the tokenizer's latent
+    space, nearest first, at most `latent_delta`; not lossless, each judgement moves at most latent_delta of p's mass);
     left_draft (drafters with left context; beyond the paper): "sequential" drafts a down row column by column, each
     from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each column's
     left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine" drafts it
@@ -76,6 +78,8 @@ class CarryRule:
     acceptance: str = "speculative"
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
+    latent_k: int = 16
+    latent_delta: float = 0.1
     left_draft: str = "sequential"
     siblings: int = 0
     max_fed: int | None = None
@@ -326,12 +330,25 @@ class CarryWindow:
         tokens, pb = cur[b:b + 1, own], p[b:b + 1, own]
         if rule.acceptance == "speculative":
             return accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)
+        if rule.acceptance == "latent":
+            return relaxed_accept(tokens, pb, self.prop[b:b + 1, own], self.neighbours(), rule.latent_delta, gens)
         typical, ok = typical_accept(tokens, pb, rule.typical_epsilon, rule.typical_delta, gens)
         if rule.acceptance == "typical":
             return typical, ok
         spec, spec_ok = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)  # "typical_carried"
         fresh = self.fresh[b:b + 1, own]
         return torch.where(fresh, spec, typical), torch.where(fresh, spec_ok, ok)
+
+    def neighbours(self) -> torch.Tensor:
+        """`acceptance=latent`: each code's `latent_k` nearest codes in the tokenizer's latent space (V, k), from the
+        backbone's `code_embeddings()`, once per generation."""
+        if "code_neighbours" not in self.st.memo:
+            embeddings = getattr(self.st.bb, "code_embeddings", None)
+            if embeddings is None:
+                raise ValueError(f"acceptance=latent needs the tokenizer's codebook, and {type(self.st.bb).__name__} "
+                                 f"has no code_embeddings(); use acceptance=speculative")
+            self.st.memo["code_neighbours"] = code_neighbours(embeddings(), self.rule.latent_k).to(self.st.seq.device)
+        return self.st.memo["code_neighbours"]
 
     def _sibling(self, b: int, own: torch.Tensor, first: int, new: torch.Tensor, p: torch.Tensor,
                  siblings: tuple[torch.Tensor, torch.Tensor], states: torch.Tensor) -> int:
@@ -353,6 +370,8 @@ class CarryWindow:
         tok = new[b:b + 1, nxt]
         if rule.acceptance == "speculative":
             out, _ = accept_or_resample(tok, target, p[b:b + 1, nxt], gens)
+        elif rule.acceptance == "latent":
+            out, _ = relaxed_accept(tok, target, p[b:b + 1, nxt], self.neighbours(), rule.latent_delta, gens)
         else:  # a carried token: typical under both typical rules
             out, _ = typical_accept(tok, target, rule.typical_epsilon, rule.typical_delta, gens)
         new[b, nxt] = out[0]
