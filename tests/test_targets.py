@@ -1,7 +1,7 @@
 """The targets a speed run checks under its table, from hand-made metrics."""
 import pytest
 
-from specgen.evaluation.targets import check_targets, format_targets, validate_targets
+from specgen.evaluation.targets import check_targets, format_targets, targets_report, validate_targets
 
 SPEC = dict(strategy="ssd", pass_ratio_bs1=[8.0, 6.0], wall_ratio_bs1=[3.5, 3.0], batch_share=[16, 0.85],
             geneval_max_ci95=0.03, peers=["sjd", "zipar"])
@@ -58,8 +58,25 @@ def test_what_the_run_did_not_measure_says_so():
                                          (dict(SPEC, wall_ratio_bs1=3.0), "give \\[goal, floor\\]"),
                                          (dict(SPEC, batch_share=[16, 85]), "share in \\(0, 1\\]"),
                                          (dict(SPEC, strategy="sdd"), "targets.strategy='sdd': name one of"),
+                                         (dict(SPEC, also="ssd_latent"), "targets.also='ssd_latent': give a list"),
                                          ({k: v for k, v in SPEC.items() if k != "strategy"}, "targets.strategy=None")])
 def test_a_malformed_spec_names_the_value_and_the_fix(spec, match):
     with pytest.raises(ValueError, match=match):
         validate_targets(spec, ["ar", "ssd", "sjd"])
     validate_targets(SPEC, ["ar", "ssd"])  # the well-formed spec passes, its peers left out of the run included
+
+
+def test_other_strategies_are_held_to_the_same_targets_in_their_own_blocks():
+    """`also`: a block per listed strategy the run decoded, after the main one's; one the run left out is skipped."""
+    m = metrics(**{"ssd_latent/speed/nfe_ratio_bs1": 8.2, "ssd_latent/speed/nfe_bs1": 31.0,
+                   "ssd_latent/geneval/overall_diff": -0.06, "ssd_latent/geneval/overall_diff_ci95": 0.03,
+                   "ssd_latent/geneval/overall_ci95": 0.024})
+    spec = dict(SPEC, also=["ssd_latent", "ssd_typical"])
+    text = targets_report(m, spec, "ar", ["ar", "ssd", "ssd_latent", "sjd"])
+    blocks = text.split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == ["targets of ssd:", "targets of ssd_latent:"]
+    latent = {line.split(":")[0].strip(): line for line in blocks[1].splitlines()[1:]}
+    assert "8.20" in latent["pass_ratio_bs1"] and latent["pass_ratio_bs1"].split()[-1] == "met"
+    assert "missed" in latent["geneval"]  # -0.06 + 0.03 < 0: significantly below AR's
+    assert blocks[0] == format_targets(check_targets(m, SPEC, "ar"), "ssd")
+    validate_targets(spec, ["ar", "ssd"])  # strategies in `also` may be left out of a run

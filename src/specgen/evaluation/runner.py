@@ -19,7 +19,7 @@ from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captio
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS, paired_difference
 from specgen.evaluation.speed import compare, prompts_needed
-from specgen.evaluation.targets import check_targets, format_targets, validate_targets
+from specgen.evaluation.targets import targets_report, validate_targets
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     names = list(strategies)
     speed_figures(cfg, metrics, names, maps, out_dir)
     table = summary_table(metrics, names, list(cfg.speed.batch_sizes))
-    if targets:  # the experiment's targets for one strategy: met, floor or missed, under the table
-        table += "\n\n" + format_targets(check_targets(metrics, targets, names[0]), targets["strategy"])
+    if targets:  # the experiment's targets: met, floor or missed, under the table
+        table += "\n\n" + targets_report(metrics, targets, names[0], names)
     atomic_write_text(out_dir / "summary.txt", table + "\n")
     _log(cfg, metrics, None, rows, out_dir, summary_rows(metrics, names, list(cfg.speed.batch_sizes)))
     print(format_table(metrics))

@@ -14,6 +14,8 @@ The checks read the run's metrics only, so they say what this run measured, on t
       batch_share: [16, 0.85]             # batch size, least share of the batch-1 pass ratio kept there
       geneval_max_ci95: 0.03              # GenEval not significantly below the reference's, at intervals this tight
       peers: [sjd, zipar]                 # strategies it must beat in passes at batch 1 (at equal quality)
+      also: [ssd_latent]                  # other strategies held to the same targets, each in its own block
+                                          # (those the run leaves out are skipped)
 """
 from __future__ import annotations
 
@@ -41,13 +43,16 @@ def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
     """Refuse a malformed `targets:` node before a run spends its time: unknown keys, a target strategy the run does
     not decode (`strategies`), a [goal, floor] that is not two numbers or has its floor above its goal, a batch share
     that is not [batch size, share in (0, 1]]. Peers the run leaves out are allowed: they read `not measured`."""
-    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "geneval_max_ci95", "peers"}
+    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "geneval_max_ci95", "peers", "also"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"targets: unknown keys {unknown}: expected some of {sorted(known)}")
     if spec.get("strategy") not in strategies:
         raise ValueError(f"targets.strategy={spec.get('strategy')!r}: name one of the run's strategies "
                          f"{list(strategies)} (targets.strategy=ssd)")
+    also = spec.get("also") or []
+    if not (isinstance(also, Sequence) and not isinstance(also, str) and all(isinstance(a, str) for a in also)):
+        raise ValueError(f"targets.also={also!r}: give a list of strategy names, e.g. [ssd_latent]")
     for key in ("pass_ratio_bs1", "wall_ratio_bs1"):
         if key in spec:
             _pair(spec, key)
@@ -117,3 +122,11 @@ def format_targets(rows: list[dict], strategy: str) -> str:
         goal = f"{r['goal']:.2f}" + ("" if r["floor"] is None else f" (floor {r['floor']:.2f})")
         lines.append(f"  {r['target']:<{w}}{value:>8}  goal {goal:<20}{r['verdict']:<14}{r['detail']}".rstrip())
     return "\n".join(lines)
+
+
+def targets_report(metrics: Mapping[str, float], spec: Mapping, reference: str, strategies: Sequence[str]) -> str:
+    """The blocks a run prints under its table: `spec["strategy"]`'s, then one for each of `spec["also"]` that the run
+    decoded (`strategies`), each held to the same targets."""
+    names = [spec["strategy"]] + [a for a in spec.get("also") or [] if a in strategies and a != spec["strategy"]]
+    return "\n\n".join(format_targets(check_targets(metrics, dict(spec, strategy=name), reference), name)
+                       for name in names)
