@@ -1304,9 +1304,10 @@ def test_latent_acceptance_in_the_carry_window():
     p = m.prompts(PROMPTS + ["a green diamond"])
     kw = dict(cfg_scale=3.0, rounds=0, carry=True, max_window_rows=2, redraft=2)
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
-    out, _ = ssd.generate(m, p, noisy_drafter(m), temperature=0, acceptance="latent", latent_k=8, latent_delta=0.5,
-                          **kw)
-    assert torch.equal(out, ref)
+    for rule in ("latent", "latent_carried"):
+        out, _ = ssd.generate(m, p, noisy_drafter(m), temperature=0, acceptance=rule, latent_k=8, latent_delta=0.5,
+                              **kw)
+        assert torch.equal(out, ref)
     spec, st_spec = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), **kw)
     zero, st_zero = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)), acceptance="latent",
                                  latent_delta=0.0, **kw)
@@ -1318,6 +1319,13 @@ def test_latent_acceptance_in_the_carry_window():
         one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), acceptance="latent",
                                 latent_k=20, latent_delta=0.6, **kw)
         assert torch.equal(loose[i], one[0]) and st_loose["image_passes"][i] == st1["nfe"]
+    carried, st_carried = ssd.generate(m, p, noisy_drafter(m), rngs=make_rngs(range(4)),
+                                       acceptance="latent_carried", latent_k=20, latent_delta=0.6, **kw)
+    assert float(st_carried["carried_change_rate"].mean()) < float(st_spec["carried_change_rate"].mean())
+    for i in range(2):
+        one, st1 = ssd.generate(m, p[i:i + 1], noisy_drafter(m), rngs=make_rngs([i]), acceptance="latent_carried",
+                                latent_k=20, latent_delta=0.6, **kw)
+        assert torch.equal(carried[i], one[0]) and st_carried["image_passes"][i] == st1["nfe"]
     with pytest.raises(ValueError, match="latent_delta=1.0"):
         ssd.generate(m, p, noisy_drafter(m), acceptance="latent", latent_delta=1.0, **kw)
     with pytest.raises(ValueError, match="latent_k"):

@@ -38,3 +38,14 @@ def test_wrong_image_size_is_rejected_with_the_fix():
 def test_missing_checkpoint_names_the_command(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"python -m specgen.train experiment=vq_shapes"):
         load_exported(tmp_path / "vq_shapes")
+
+
+def test_near_codes_decode_to_near_images_on_the_shipped_tokenizer():
+    """The premise of `acceptance: latent`, checked by `tokenizer_report.neighbour_swaps`: swapping a tenth of the
+    codes for nearer codes changes the image less (higher PSNR against the unswapped reconstruction) than for farther
+    or random codes; no swap is the identity."""
+    from specgen.analysis.tokenizer_report import neighbour_swaps
+
+    m = neighbour_swaps(load_exported(SHIPPED), n=32, ranks=(1, 16))
+    assert m["report/neighbours/rank0/psnr"] == 99.0 and m["report/neighbours/rank0/parser_acc"] >= 0.95
+    assert m["report/neighbours/rank1/psnr"] > m["report/neighbours/rank16/psnr"] > m["report/neighbours/random/psnr"]

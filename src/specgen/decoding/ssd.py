@@ -193,7 +193,7 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
     expect_float("temperature", temperature, 0.0)
-    rules = ("speculative", "typical", "typical_carried", "latent")
+    rules = ("speculative", "typical", "typical_carried", "latent", "latent_carried")
     if rule.acceptance not in rules:
         raise ValueError(f"acceptance={rule.acceptance!r} is not a verification rule; use one of {', '.join(rules)}")
     if rule.acceptance != "speculative":

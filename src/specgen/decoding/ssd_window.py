@@ -38,7 +38,8 @@ class CarryRule:
     p(t) > min(typical_epsilon, typical_delta * exp(-H(p))), else draw from p; not lossless), "typical_carried"
     (fresh drafts by the speculative test, carried tokens by the typical one) or "latent" (LANTERN's relaxed test,
     Jang et al. 2025: p(t) in the test gains the mass p gives t's `latent_k` nearest codes in the tokenizer's latent
-    space, nearest first, at most `latent_delta`; not lossless, each judgement moves at most latent_delta of p's mass);
+    space, nearest first, at most `latent_delta`; not lossless, each judgement moves at most latent_delta of p's mass)
+    or "latent_carried" (fresh drafts by the speculative test, carried tokens by the relaxed one);
     left_draft (drafters with left context; beyond the paper): "sequential" drafts a down row column by column, each
     from the previous column's draft (W drafter calls); "above" drafts it in one call, the token above each column's
     left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine" drafts it
@@ -330,8 +331,13 @@ class CarryWindow:
         tokens, pb = cur[b:b + 1, own], p[b:b + 1, own]
         if rule.acceptance == "speculative":
             return accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)
-        if rule.acceptance == "latent":
-            return relaxed_accept(tokens, pb, self.prop[b:b + 1, own], self.neighbours(), rule.latent_delta, gens)
+        if rule.acceptance in ("latent", "latent_carried"):
+            relaxed = relaxed_accept(tokens, pb, self.prop[b:b + 1, own], self.neighbours(), rule.latent_delta, gens)
+            if rule.acceptance == "latent":
+                return relaxed
+            spec = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], self.st.image_gens([b]))
+            fresh = self.fresh[b:b + 1, own]
+            return torch.where(fresh, spec[0], relaxed[0]), torch.where(fresh, spec[1], relaxed[1])
         typical, ok = typical_accept(tokens, pb, rule.typical_epsilon, rule.typical_delta, gens)
         if rule.acceptance == "typical":
             return typical, ok
@@ -370,7 +376,7 @@ class CarryWindow:
         tok = new[b:b + 1, nxt]
         if rule.acceptance == "speculative":
             out, _ = accept_or_resample(tok, target, p[b:b + 1, nxt], gens)
-        elif rule.acceptance == "latent":
+        elif rule.acceptance in ("latent", "latent_carried"):  # a carried token
             out, _ = relaxed_accept(tok, target, p[b:b + 1, nxt], self.neighbours(), rule.latent_delta, gens)
         else:  # a carried token: typical under both typical rules
             out, _ = typical_accept(tok, target, rule.typical_epsilon, rule.typical_delta, gens)
