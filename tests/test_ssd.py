@@ -390,7 +390,7 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
 
     values = dict(rounds=1, max_lead=3, max_window_rows=2, draft_temperature=0.5, redraft=2, redraft_rows=1,
                   max_row_passes=4, second_row_wait=1, acceptance="typical", typical_epsilon=0.2, typical_delta=0.5,
-                  left_draft="above", siblings=2, max_fed=5, reweight=2)
+                  left_draft="above", siblings=2, max_fed=5, reweight=2, latent_k=8, latent_delta=0.2)
     assert set(values) == fields
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CarryWindow, "__init__", spy)
