@@ -1270,6 +1270,9 @@ def test_code_neighbours_and_the_relaxed_test_against_a_hand_computation():
     assert nb.tolist() == [[1, 2, 3], [0, 2, 3], [1, 0, 3], [2, 1, 0]]
     with pytest.raises(ValueError, match="latent_k=4"):
         code_neighbours(e, 4)
+    big = torch.randn(2500, 8, generator=torch.Generator().manual_seed(0))  # rows in blocks of 1024: as all at once
+    full = torch.cdist(big, big).fill_diagonal_(float("inf")).topk(5, dim=-1, largest=False).indices
+    assert torch.equal(code_neighbours(big, 5), full)
     p = torch.tensor([0.10, 0.05, 0.25, 0.60])
     q = torch.tensor([0.70, 0.10, 0.10, 0.10])
     # token 0: p 0.10, neighbours 1 (0.05), 2 (0.25), 3 (0.60): cumulative 0.05, 0.30, 0.90

@@ -108,10 +108,14 @@ def code_neighbours(embeddings: torch.Tensor, k: int) -> torch.Tensor:
     V = embeddings.shape[0]
     if not 1 <= k < V:
         raise ValueError(f"latent_k={k}: a code has {V - 1} other codes; use 1 <= latent_k <= {V - 1}")
-    e = embeddings.float()
-    dist = torch.cdist(e, e)
-    dist.fill_diagonal_(float("inf"))  # a code is not its own neighbour
-    return dist.topk(k, dim=-1, largest=False).indices
+    e = embeddings.detach().float()
+    out = []
+    for start in range(0, V, 1024):  # blocks of rows: Emu3's 32k codes would need a 4 GB distance matrix at once
+        dist = torch.cdist(e[start:start + 1024], e)
+        rows = torch.arange(dist.shape[0], device=dist.device)
+        dist[rows, rows + start] = float("inf")  # a code is not its own neighbour
+        out.append(dist.topk(k, dim=-1, largest=False).indices)
+    return torch.cat(out)
 
 
 def relaxed_accept(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, neighbours: torch.Tensor, delta: float,
