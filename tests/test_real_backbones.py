@@ -150,6 +150,19 @@ def test_every_lossless_decoder_equals_greedy_ar(real):
     assert torch.equal(out, ref), "sjd"
 
 
+def test_latent_acceptance_reads_each_adapters_codebook(real):
+    """`code_embeddings()` is the adapter's VQ codebook, one row per visual code; SSD with `acceptance=latent` finds
+    its neighbours there and still equals greedy AR."""
+    kind, _, m = real
+    e = m.code_embeddings()
+    assert e.ndim == 2 and e.shape[0] == m.grid.num_visual
+    p = m.prompts(PROMPTS)
+    ref, _ = ar.generate(m, p, cfg_scale=CFG, temperature=0)
+    out, _ = ssd.generate(m, p, noisy_fphi(m), cfg_scale=CFG, temperature=0, rounds=0, carry=True,
+                          acceptance="latent", latent_k=4, latent_delta=0.3)
+    assert torch.equal(out, ref)
+
+
 def test_decoding_to_pixels(real):
     kind, _, m = real
     images = m.decode(torch.randint(0, m.grid.num_visual, (2, 4, 4)))
