@@ -81,9 +81,14 @@ def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                        rngs: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling at every position: keep token t ~ q with prob min(1, p(t)/q(t)), else
     redraw from the residual norm(max(0, p - q)). tokens (B, N), p/q (B, N, V) -> (tokens, accepted)."""
-    pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return _keep_or_residual(tokens, p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), p, q, rngs)
+
+
+def _keep_or_residual(tokens: torch.Tensor, pt: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                      rngs: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each token with prob min(1, pt/q(t)) (pt: the target's mass for it), else redraw from norm(max(0, p - q))."""
     qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt  # u < p/q without dividing
+    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt  # u < pt/q without dividing
     resid = (p - q).clamp_min(0)
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)  # p == q: rejection had prob 0
@@ -129,10 +134,4 @@ def relaxed_accept(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, neigh
     near = p.gather(-1, neighbours[tokens])  # (B, N, k) p of each token's neighbours, nearest first
     added = near.cumsum(-1)
     added = torch.where(added <= delta, added, torch.zeros_like(added)).amax(-1)  # the longest prefix within delta
-    pt = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) + added
-    qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt
-    resid = (p - q).clamp_min(0)
-    mass = resid.sum(-1, keepdim=True)
-    resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)
-    return torch.where(accepted, tokens, sample_probs(resid, rngs)), accepted
+    return _keep_or_residual(tokens, p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) + added, p, q, rngs)

@@ -30,6 +30,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import accept_or_resample, inverse_cdf, sample_probs, uniform
+from specgen.decoding.ssd_judge import RULES
 from specgen.decoding.ssd_tail import left_table
 from specgen.decoding.ssd_window import CarryRule, CarryWindow
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
@@ -193,9 +194,8 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
         if getattr(rule, name) is not None:
             expect_int(name, getattr(rule, name), least)
     expect_float("temperature", temperature, 0.0)
-    rules = ("speculative", "typical", "typical_carried", "latent", "latent_carried")
-    if rule.acceptance not in rules:
-        raise ValueError(f"acceptance={rule.acceptance!r} is not a verification rule; use one of {', '.join(rules)}")
+    if rule.acceptance not in RULES:
+        raise ValueError(f"acceptance={rule.acceptance!r} is not a verification rule; use one of {', '.join(RULES)}")
     if rule.acceptance != "speculative":
         if not carry:
             raise ValueError(f"acceptance={rule.acceptance!r} judges the carry window's tokens and needs carry=true; "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.decoding import ssd_tail
-from specgen.decoding.sampling import accept_or_resample, code_neighbours, relaxed_accept, typical_accept
+from specgen.decoding.ssd_judge import judge
 from specgen.decoding.ssd_pass_stats import PassStats
 from specgen.decoding.state import SpecState
 
@@ -327,34 +327,8 @@ class CarryWindow:
 
     def _accept(self, b: int, own: torch.Tensor, cur: torch.Tensor, p: torch.Tensor):
         """Judge image b's window tokens (its slots `own`) against the pass's p: (1, n) tokens, (1, n) accepted."""
-        rule, gens = self.rule, self.st.image_gens([b])
-        tokens, pb = cur[b:b + 1, own], p[b:b + 1, own]
-        if rule.acceptance == "speculative":
-            return accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)
-        if rule.acceptance in ("latent", "latent_carried"):
-            relaxed = relaxed_accept(tokens, pb, self.prop[b:b + 1, own], self.neighbours(), rule.latent_delta, gens)
-            if rule.acceptance == "latent":
-                return relaxed
-            spec = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], self.st.image_gens([b]))
-            fresh = self.fresh[b:b + 1, own]
-            return torch.where(fresh, spec[0], relaxed[0]), torch.where(fresh, spec[1], relaxed[1])
-        typical, ok = typical_accept(tokens, pb, rule.typical_epsilon, rule.typical_delta, gens)
-        if rule.acceptance == "typical":
-            return typical, ok
-        spec, spec_ok = accept_or_resample(tokens, pb, self.prop[b:b + 1, own], gens)  # "typical_carried"
-        fresh = self.fresh[b:b + 1, own]
-        return torch.where(fresh, spec, typical), torch.where(fresh, spec_ok, ok)
-
-    def neighbours(self) -> torch.Tensor:
-        """`acceptance=latent`: each code's `latent_k` nearest codes in the tokenizer's latent space (V, k), from the
-        backbone's `code_embeddings()`, once per generation."""
-        if "code_neighbours" not in self.st.memo:
-            embeddings = getattr(self.st.bb, "code_embeddings", None)
-            if embeddings is None:
-                raise ValueError(f"acceptance=latent needs the tokenizer's codebook, and {type(self.st.bb).__name__} "
-                                 f"has no code_embeddings(); use acceptance=speculative")
-            self.st.memo["code_neighbours"] = code_neighbours(embeddings(), self.rule.latent_k).to(self.st.seq.device)
-        return self.st.memo["code_neighbours"]
+        return judge(self.st, self.rule, cur[b:b + 1, own], p[b:b + 1, own], self.prop[b:b + 1, own],
+                     self.fresh[b:b + 1, own], self.st.image_gens([b]))
 
     def _sibling(self, b: int, own: torch.Tensor, first: int, new: torch.Tensor, p: torch.Tensor,
                  siblings: tuple[torch.Tensor, torch.Tensor], states: torch.Tensor) -> int:
@@ -371,15 +345,10 @@ class CarryWindow:
         rep = ssd_tail.image_rows(st, b)
         h = states[rep, int(match[0])]  # (reps, D): the state after the drawn token
         st.hid.put(rep, c, h)  # drafts and re-drafts read the state after the final token
-        nxt, gens, rule = own[first + 1:first + 2], st.image_gens([b]), self.rule
-        target = st.dist(h)[:, None]  # (1, 1, V)
+        nxt = own[first + 1:first + 2]
         tok = new[b:b + 1, nxt]
-        if rule.acceptance == "speculative":
-            out, _ = accept_or_resample(tok, target, p[b:b + 1, nxt], gens)
-        elif rule.acceptance in ("latent", "latent_carried"):  # a carried token
-            out, _ = relaxed_accept(tok, target, p[b:b + 1, nxt], self.neighbours(), rule.latent_delta, gens)
-        else:  # a carried token: typical under both typical rules
-            out, _ = typical_accept(tok, target, rule.typical_epsilon, rule.typical_delta, gens)
+        target = st.dist(h)[:, None]  # (1, 1, V)
+        out, _ = judge(st, self.rule, tok, target, p[b:b + 1, nxt], None, st.image_gens([b]))  # a carried token
         new[b, nxt] = out[0]
         c_ = self.stats.counts
         c_["sibling_hits"][b] += 1
