@@ -16,7 +16,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from specgen.backbones.prenorm import split_final_norm
-from specgen.backbones.protocol import PromptRows, TokenGrid
+from specgen.backbones.protocol import PromptRows, TokenGrid, float_logits
 
 
 def folder_identity(path: str | Path) -> str:
@@ -152,14 +152,15 @@ class HFDiscreteBackbone(nn.Module):
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, then the output rows of the visual codes only (not the whole vocabulary)."""
-        return torch.nn.functional.linear(self.final_norm(hidden.to(self.dtype)), self.visual_head)
+        return float_logits(torch.nn.functional.linear(self.final_norm(hidden.to(self.dtype)), self.visual_head))
 
     def guided_visual_logits(self, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         """Guided logits from stacked [cond; uncond] states (2B, ..., D), mixed after the final norm and before the
         (linear) projection: `guide(visual_logits(hidden), cfg_scale)` with half the projection. A subclass whose
         visual head is not one linear map sets this to None (`protocol.guided_logits` then guides the logits)."""
         cond, uncond = self.final_norm(hidden.to(self.dtype)).float().chunk(2, dim=0)
-        return torch.nn.functional.linear(torch.lerp(uncond, cond, cfg_scale).to(self.dtype), self.visual_head)
+        return float_logits(torch.nn.functional.linear(torch.lerp(uncond, cond, cfg_scale).to(self.dtype),
+                                                       self.visual_head))
 
     def embed_visual(self, codes: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(self.visual_ids[codes])

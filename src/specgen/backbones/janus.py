@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer, JanusForConditionalGeneration
 
 from specgen.backbones.hf import HFDiscreteBackbone, check_folder, folder_identity, resolve_device_dtype
-from specgen.backbones.protocol import Prompts, TokenGrid
+from specgen.backbones.protocol import Prompts, TokenGrid, float_logits
 
 TEMPLATE = "<|User|>: {prompt}\n\n<|Assistant|>:"  # the 'deepseek' SFT format with an empty system prompt
 BOI = "<begin_of_image>"
@@ -59,7 +59,7 @@ class JanusBackbone(HFDiscreteBackbone):
 
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, then the separate generation head."""
-        return self.model.model.generation_head(self.final_norm(hidden.to(self.dtype)))
+        return float_logits(self.model.model.generation_head(self.final_norm(hidden.to(self.dtype))))
 
     def code_embeddings(self) -> torch.Tensor:
         """Janus's VQ codebook (num_visual, d): the latent space of `acceptance=latent`."""

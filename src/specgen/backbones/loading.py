@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from specgen.backbones.hf import resolve_device_dtype
+from specgen.backbones.shapes_llama import ShapesLlama
 from specgen.utils.checkpoints import load_exported
 
 
@@ -33,9 +35,17 @@ def file_id(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_shapes_generator(backbone_dir: str, tokenizer_dir: str, device: str = "cpu"):
-    """An embedded backbone (AR or MAR-style) with its tokenizer attached, frozen, in eval mode."""
+def load_shapes_generator(backbone_dir: str, tokenizer_dir: str, device: str = "cpu", dtype: str = "float32"):
+    """An embedded backbone (AR or MAR-style) with its tokenizer attached, frozen, in eval mode. `dtype`: the
+    backbone's weights and states (float32, or bfloat16: on a CPU with bf16 matrix units a forward of many positions
+    costs much less; the tokenizer stays in float32, and logits are float32 either way); 'auto' as the real adapters."""
+    _, torch_dtype = resolve_device_dtype(device, dtype)
     backbone = load_exported(backbone_dir, device)
+    if torch_dtype != next(backbone.parameters()).dtype:
+        if not isinstance(backbone, ShapesLlama):
+            raise ValueError(f"generator.dtype={dtype!r}: only the embedded discrete backbone runs in another "
+                             f"precision than float32; drop the override for {backbone_dir}")
+        backbone.to(torch_dtype)
     backbone.attach_tokenizer(load_exported(tokenizer_dir, device))
     backbone.requires_grad_(False)
     backbone.identity = f"{weights_id(backbone_dir)}-{weights_id(tokenizer_dir)}"

@@ -198,9 +198,16 @@ class DiscreteBackbone(Protocol):
     def embed_visual(self, codes: torch.Tensor) -> torch.Tensor: ...      # (...,) codes -> (..., D)
     def forward_embeds(self, embeds: torch.Tensor, slots: torch.Tensor, cache,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor: ...  # (B', q, D) -> (B', q, D)
-    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...    # (..., D) pre-norm -> (..., num_visual)
+    def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...    # (..., D) pre-norm -> float32 (..., num_visual)
     def rollback(self, cache, length: int) -> None: ...
     def decode(self, codes: torch.Tensor) -> torch.Tensor: ...            # (B, H, W) -> (B, 3, S, S) in [0, 1]
+
+
+def float_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 whatever the backbone's precision: the decoders' distributions, acceptance ratios and
+    residuals are computed from them, and bf16 keeps only about 3 significant digits of a probability (no op when the
+    head already ran in float32)."""
+    return logits if logits.dtype == torch.float32 else logits.float()
 
 
 def weights_part(identity: str) -> str:

@@ -13,7 +13,7 @@ import torch.nn as nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 from specgen.backbones.prenorm import split_final_norm
-from specgen.backbones.protocol import Prompts, PromptRows, TokenGrid
+from specgen.backbones.protocol import Prompts, PromptRows, TokenGrid, float_logits
 from specgen.backbones.ragged_cache import RaggedCache
 from specgen.world.prompts import WORDS, tokenize_words
 
@@ -144,15 +144,16 @@ class ShapesLlama(nn.Module):
     def visual_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm states (..., D) -> logits over the visual codes (..., num_visual): the final norm, then only the
         output rows of the visual codes (a contiguous slice of the projection, not the whole vocabulary)."""
-        return torch.nn.functional.linear(self.final_norm.weight * self._unit_norm(hidden), self._visual_rows())
+        return float_logits(torch.nn.functional.linear(self.final_norm.weight * self._unit_norm(hidden),
+                                                       self._visual_rows()))
 
     def guided_visual_logits(self, hidden: torch.Tensor, cfg_scale: float) -> torch.Tensor:
         """Classifier-free guidance from stacked [cond; uncond] pre-norm states (2B, ..., D) -> guided logits
         (B, ..., num_visual), equal to `guide(visual_logits(hidden), cfg_scale)`: the head is linear after the norm,
         so the two rows are mixed before the projection (half of it; drafting calls this per drafted column)."""
         cond, uncond = self._unit_norm(hidden).chunk(2, dim=0)
-        return torch.nn.functional.linear(self.final_norm.weight * torch.lerp(uncond, cond, cfg_scale),
-                                          self._visual_rows())
+        return float_logits(torch.nn.functional.linear(self.final_norm.weight * torch.lerp(uncond, cond, cfg_scale),
+                                                       self._visual_rows()))
 
     def _unit_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final RMS norm without its weight, in one fused call, in float32, back in the states' dtype."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from specgen.backbones.protocol import float_logits
+
 PRESETS = {  # name -> (width multiplier of the backbone's hidden size, residual MLP blocks)
     "xs": (1, 1),
     "s": (1, 2),
@@ -222,7 +224,7 @@ class TokenDrafter(nn.Module):
         """(..., D) state (unused) and (..., D) embedding of x_{q+1} -> (..., num_codes) visual-code logits."""
         if direction not in self.nets:
             raise ValueError(f"this drafter predicts {self.directions}, not {direction!r}")
-        return self.nets[direction](next_embed)
+        return float_logits(self.nets[direction](next_embed))
 
     def right(self, hidden: torch.Tensor, next_embed: torch.Tensor) -> torch.Tensor:
         return self(hidden, next_embed, "right")

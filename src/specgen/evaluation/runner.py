@@ -7,6 +7,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
@@ -101,10 +102,12 @@ def unique_jobs(benchmarks: list, seed: int) -> list:
 
 
 def image_cache_dir(data_dir: str, backbone, decoding: DictConfig) -> Path:
-    """The image cache of one strategy on one backbone: keyed by the backbone's weights, the decoding config and
-    the weights of every model that config loads."""
+    """The image cache of one strategy on one backbone: keyed by the backbone's weights and precision (a suffix where
+    it is not float32), the decoding config and the weights of every model that config loads."""
     fn_cfg = OmegaConf.to_container(decoding.fn, resolve=True)
-    return Path(data_dir) / "image_cache" / backbone.identity / cache_key(fn_cfg, _weights_ids(fn_cfg))
+    dtype = getattr(backbone, "dtype", torch.float32)
+    name = backbone.identity + ("" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch."))
+    return Path(data_dir) / "image_cache" / name / cache_key(fn_cfg, _weights_ids(fn_cfg))
 
 
 def strategy_batch_size(cfg: DictConfig, decoding: DictConfig) -> int:
@@ -166,6 +169,8 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     names = list(strategies)
     speed_figures(cfg, metrics, names, maps, out_dir)
     table = summary_table(metrics, names, list(cfg.speed.batch_sizes))
+    dtype = str(getattr(backbone, "dtype", torch.float32)).removeprefix("torch.")
+    table += f"\n(target backbone in {dtype}, {torch.get_num_threads()} torch threads)"
     if targets:  # the experiment's targets: met, floor or missed, under the table
         table += "\n\n" + targets_report(metrics, targets, names[0], names)
     atomic_write_text(out_dir / "summary.txt", table + "\n")
