@@ -70,3 +70,16 @@ def test_bad_precisions_are_refused_by_name(tiny_exports):
         load_shapes_generator(str(tiny_exports / "ar"), str(tiny_exports / "vq"), dtype="float8")
     with pytest.raises(ValueError, match=r"only the embedded discrete backbone"):
         load_shapes_generator(str(tiny_exports / "mar"), str(tiny_exports / "kl"), dtype="bfloat16")
+
+
+def test_the_analyses_load_the_backbone_in_the_precision_asked_for(tiny_exports):
+    import argparse
+
+    from specgen.analysis.row_passes import add_world_args, load_world
+
+    ap = argparse.ArgumentParser()
+    add_world_args(ap, prompts=2)
+    world = ["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"),
+             "--drafter", str(tiny_exports / "fphi")]
+    assert load_world(ap.parse_args(world))[0].dtype == torch.float32
+    assert load_world(ap.parse_args(world + ["--dtype", "bfloat16"]))[0].dtype == torch.bfloat16

@@ -785,6 +785,7 @@ def test_ssd_cost_split_sees_every_forward_and_fits_the_pass_cost(tmp_path, tiny
         assert r["passes_allowed"] * r["wall_s"] / r["passes"] == pytest.approx(ar_wall / 3.5)
     ops = saved["ops"]  # one image per strategy: AR drafts nothing, SSD does; every pass is in a target forward
     assert list(ops) == ["ar", "ssd", "ssd_paper", "carry1"] and ops["ar"]["draft"] == 0 and ops["ar"]["passes"] == 256
+    assert saved["dtype"] == "float32" and saved["threads"] == torch.get_num_threads()
     for name, o in ops.items():
         assert o["total"] == o["target"] + o["draft"] + o["other"] and o["target"] >= 3 * o["passes"]
         assert (o["draft"] > 0) == (name != "ar") and o["other"] > 0

@@ -196,6 +196,7 @@ def add_world_args(ap: argparse.ArgumentParser, prompts: int) -> None:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--prompts", type=int, default=prompts, help="held-out prompts (one image each, batch 1)")
     ap.add_argument("--cfg-scale", type=float, default=2.0)
+    ap.add_argument("--dtype", default="float32", help="the backbone's precision (generator.dtype): float32 or bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategy", action="append", default=None, metavar="NAME",
                     help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper "
@@ -208,7 +209,7 @@ def add_world_args(ap: argparse.ArgumentParser, prompts: int) -> None:
 def load_world(args: argparse.Namespace) -> tuple:
     """(backbone, drafter, prompts, strategies) from `add_world_args`' arguments: the strategies named by --strategy
     and --variant, or None for the default two."""
-    backbone = load_shapes_generator(args.backbone, args.tokenizer)
+    backbone = load_shapes_generator(args.backbone, args.tokenizer, dtype=args.dtype)
     drafter = load_exported(args.drafter).eval()
     prompts = [m["prompt"] for m in mixed_prompts("test", args.prompts, args.seed)]
     strategies = config_strategies(args.strategy) if args.strategy else None

@@ -233,12 +233,13 @@ def main(argv: list[str] | None = None) -> dict:
     strategies = strategies or config_strategies()
     out = report(measure(backbone, drafter, prompts, args.cfg_scale, strategies, args.seed), args.target_ratio)
     out["ops"] = count_ops(backbone, drafter, prompts[0], args.cfg_scale, strategies, args.seed)  # after the clocks
+    out["dtype"], out["threads"] = str(backbone.dtype).removeprefix("torch."), torch.get_num_threads()
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path / "ssd_costs.json", json.dumps(out, indent=2))
     pc = out["pass_cost"]
     print(f"pass cost: {pc['fixed_s'] * 1e3:.2f} ms + {pc['per_position_s'] * 1e3:.3f} ms x positions fed "
-          f"({pc['forwards']} forwards, {torch.get_num_threads()} threads)")
+          f"({pc['forwards']} forwards, {out['threads']} threads, backbone in {out['dtype']})")
     print(f"{'strategy':<14} {'wall ms':>8} {'target':>7} {'draft':>7} {'other':>7} {'passes':>7} {'fed':>6} "
           f"{'wall x':>7} {'pass x':>7} {'x if free drafting':>18} {f'fed for {args.target_ratio:g}x':>12} "
           f"{'(free drafting)':>15} {f'passes for {args.target_ratio:g}x':>15} {'(free drafting)':>15}")
