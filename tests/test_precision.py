@@ -41,7 +41,7 @@ def test_bf16_backbone_gives_float32_logits_close_to_float32s(tiny_exports):
     assert 0 < tv.max() < 0.05, tv.max()  # bf16 moves the distributions, by little
 
 
-def test_decoders_run_in_bf16_with_float32_distributions(tiny_exports):
+def test_decoders_run_in_bf16_and_drafted_logits_are_float32(tiny_exports):
     _, bf16 = _pair(tiny_exports)
     fphi = load_exported(str(tiny_exports / "fphi"))
     p = bf16.prompts(PROMPTS)
@@ -55,6 +55,11 @@ def test_decoders_run_in_bf16_with_float32_distributions(tiny_exports):
     assert float(a_stats["nfe"]) == g.height * g.width
     assert 0 < float(s_stats["nfe"]) <= g.height * g.width
     assert next(fphi.parameters()).dtype == torch.bfloat16  # the drafter follows the states it is fed
+    from specgen.drafters.fphi import TokenDrafter  # the token-id drafter's logits are float32 too
+
+    tok = TokenDrafter(bf16.hidden_size, g.num_visual, preset="xs").to(torch.bfloat16)
+    e = bf16.embed_visual(torch.zeros(3, dtype=torch.long))
+    assert e.dtype == torch.bfloat16 and tok(e, e, "down").dtype == torch.float32
 
 
 def test_bf16_images_are_cached_apart_and_float32_paths_are_unchanged(tiny_exports, tmp_path):

@@ -207,7 +207,6 @@ class SpecState:
         return self._warp(guide(logits, self.cfg_scale) if self.reps == 2 else logits, temperature)
 
     def _warp(self, logits: torch.Tensor, temperature: float | None) -> torch.Tensor:
-        logits = logits if logits.dtype == torch.float32 else logits.float()
         return probs(logits, self.temperature if temperature is None else temperature, self.top_k)
 
     def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor, images: torch.Tensor | None = None) -> None:
