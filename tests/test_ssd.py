@@ -914,16 +914,20 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
 
 
 def test_left_draft_above_drafts_a_down_row_in_one_call_from_the_tokens_above_the_left_neighbours():
-    """left_draft="above": one drafter call per down row (W with "sequential"), each column's left input the token
+    """left_draft="above": one drafter call per down row (W with "sequential_loop", between 1 and W with
+    "sequential", whose fixed point gives the loop's drafts: the same decode), each column's left input the token
     above its left neighbour (column 0: the token before the row, known); a bad value is named."""
     m = tiny(True)
     p = m.prompts(PROMPTS[:1])
     d = noisy_drafter(m, left=True)
     g = m.grid
-    _, seq = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]))
+    loop_codes, loop = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="sequential_loop")
+    seq_codes, seq = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]))
     _, one = ssd.generate(m, p, d, rounds=0, carry=True, rngs=make_rngs([0]), left_draft="above")
     right_calls = g.width - 1  # the first row's chain of right steps
-    assert seq["draft_calls"] == right_calls + (g.height - 1) * g.width
+    assert loop["draft_calls"] == right_calls + (g.height - 1) * g.width
+    assert right_calls + g.height - 1 <= seq["draft_calls"] < loop["draft_calls"]
+    assert torch.equal(seq_codes, loop_codes) and seq["nfe"] == loop["nfe"]
     assert one["draft_calls"] == right_calls + g.height - 1
     seen = []
     step = d.down_step
@@ -1137,10 +1141,14 @@ def test_pass_statistics_counted_at_once_equal_counting_pass_by_pass():
 
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
-def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_scale):
-    """`_draft_columns` (the lean loop a down row is drafted by) gives the tokens and proposals of the plain loop:
-    per column, the left tokens' features from the lookup table, `down_step` on the flat CFG rows, `st.dist` and
-    `inverse_cdf`, the draft written into the row before the next column; two images, two left tokens."""
+@pytest.mark.parametrize("solver", ["loop", "fixed_point"])
+def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_scale, solver):
+    """`_draft_columns` (how a down row is drafted) gives the tokens and proposals of the plain loop: per column, the
+    left tokens' features from the lookup table, `down_step` on the flat CFG rows, `st.dist` and `inverse_cdf`, the
+    draft written into the row before the next column; two images, two left tokens. The lean loop op for op; the
+    fixed-point solver (every column at once, again from its own drafts until none changes) the same tokens, and the
+    same proposals up to the rounding of products over more rows, from any guess of the row, in fewer calls than
+    columns from the row above's tokens; its calls are counted."""
     from specgen.decoding.sampling import inverse_cdf, uniform
     from specgen.decoding.state import SpecState
     m = tiny(True)
@@ -1163,8 +1171,14 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
     before = st.seq[rep[:, :1], first - k + torch.arange(k)]
     table = ssd.left_table(st, d)
     u = uniform((2, g.width), make_rngs([5, 6]), "cpu")
+    guesses = [st.seq[rep[:2], above[:2]], torch.randint(0, g.num_visual, (2, g.width)),
+               torch.zeros(2, g.width, dtype=torch.long)]  # the row above (what SSD passes), random, constant
     with torch.no_grad():
-        got_codes, got_q = ssd._draft_columns(st, d, trunk, hidden, before, table, u, 0.5)
+        got = []
+        for guess in guesses[:1] if solver == "loop" else guesses:
+            calls = st.draft_calls
+            got.append((*ssd._draft_columns(st, d, trunk, hidden, before, table, u, 0.5, guess.clone(), solver),
+                        st.draft_calls - calls))
         buf = torch.cat([before, before.new_zeros(len(before), g.width)], 1)
         want_codes, want_q = [], []
         for c in range(g.width):
@@ -1174,9 +1188,15 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
             want_codes.append(tok)
             want_q.append(q)
             buf[:, k + c] = tok.repeat(st.reps)
-    assert torch.equal(got_codes, torch.stack(want_codes, 1))
-    assert torch.equal(got_q, torch.stack(want_q, 1))
-    assert got_q.shape == (2, g.width, g.num_visual)
+    for got_codes, got_q, calls in got:
+        assert torch.equal(got_codes, torch.stack(want_codes, 1))
+        assert got_q.shape == (2, g.width, g.num_visual)
+        if solver == "loop":
+            assert torch.equal(got_q, torch.stack(want_q, 1)) and calls == g.width
+        else:
+            assert torch.allclose(got_q, torch.stack(want_q, 1), atol=1e-6) and 1 <= calls <= g.width
+    if solver == "fixed_point":  # from the row above: fewer calls than columns
+        assert got[0][2] < g.width
 
 
 def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps_images_their_own():

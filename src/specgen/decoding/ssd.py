@@ -116,18 +116,61 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
             st.draft_calls += 1
         return sample_probs(q, st.image_gens(images)), q
     u = uniform((len(images), g.width), st.image_gens(images), before.device)  # (S, W): the columns' draws at once
-    return _draft_columns(st, drafter, trunk, hidden, before, table, u, draft_temperature)
+    guess = st.seq[rep[:len(images)], above[:len(images)]]  # (S, W): the row above
+    return _draft_columns(st, drafter, trunk, hidden, before, table, u, draft_temperature, guess,
+                          "loop" if left_draft == "sequential_loop" else "fixed_point")
 
 
 def _draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
-                   table: torch.Tensor, u: torch.Tensor,
-                   draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   table: torch.Tensor, u: torch.Tensor, draft_temperature: float | None, guess: torch.Tensor,
+                   solver: str = "fixed_point") -> tuple[torch.Tensor, torch.Tensor]:
     """A down row drafted column by column, each column from the previous column's draft: trunk (S', W, width) and
-    states above (S', W, D) of the rows' CFG streams, the k tokens before column 0 (S', k), the left maps' table and
-    the columns' uniform draws (S, W). This loop runs W times per drafted row, so it issues as few tensor ops as it
-    can: the columns are split once, each CFG stream's rows are one view (reps, S, ...) to which the left features,
-    looked up once per image, broadcast, and each draw is made from the warped distribution as `inverse_cdf` makes it
-    (the same values as drafting through the generic calls, op for op)."""
+    states above (S', W, D) of the rows' CFG streams, the k tokens before column 0 (S', k), the left maps' table, the
+    columns' uniform draws (S, W) and a guess of the row (S, W). Each draw is made from the warped distribution as
+    `inverse_cdf` makes it, so the row is a fixed function of the draws: x_c = F_c(u_c, x_{c-k}, ..., x_{c-1}).
+
+    `solver="fixed_point"` (the default) finds that row by fixed-point (Jacobi) iteration: every column at once, each
+    from the guess of its left tokens (the caller's: the tokens above them), then again from the drafts just made,
+    recomputing only the columns right of the first draft that differs from what was assumed, until none differs.
+    The columns up to that first difference read only left tokens that were right, so each call settles at least one
+    more column and the row is done within W calls; at the end every draft was drawn given its final left tokens, so
+    the row and its proposals are the loop's (up to the rounding of products over more rows at once) in a few calls
+    instead of W. `solver="loop"`: one call per column (the reference; `left_draft: sequential_loop`)."""
+    if solver == "loop":
+        return _draft_columns_loop(st, drafter, trunk, hidden, before, table, u, draft_temperature)
+    reps, k = st.reps, table.shape[0]
+    S, W = u.shape
+    trunks = trunk.reshape(reps, S, W, -1)  # (reps, S, W, width)
+    above = hidden.reshape(reps, S, W, -1)  # (reps, S, W, D)
+    buf = torch.cat([before[:S], guess], 1)  # (S, k + W): the k tokens before column 0, then the row as assumed
+    q = None
+    lo = 0  # columns from here on read a left token that changed
+    while lo < W:
+        left = sum(table[j - 1][buf[:, k + lo - j:k + W - j]] for j in range(1, k + 1))  # (S, W - lo, width)
+        state = drafter.down_step(trunks[:, :, lo:], above[:, :, lo:], left)  # (reps, S, W - lo, D)
+        q_lo = st.dist(state, draft_temperature)[0] if reps == 2 else st.dist(state[0], draft_temperature)
+        cdf = q_lo.cumsum(-1)  # (S, W - lo, V)
+        tok = torch.searchsorted(cdf, (u[:, lo:] * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tok = tok.clamp_max(q_lo.shape[-1] - 1)
+        st.draft_calls += 1
+        if q is None:
+            q = q_lo
+        else:
+            q[:, lo:] = q_lo
+        differs = (tok != buf[:, k + lo:]).any(0).nonzero()  # columns (from lo) drawn other than assumed
+        buf[:, k + lo:] = tok
+        if not differs.numel():
+            break
+        lo += int(differs[0]) + 1
+    return buf[:, k:], q
+
+
+def _draft_columns_loop(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
+                        table: torch.Tensor, u: torch.Tensor,
+                        draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_draft_columns` one column at a time (W drafter calls). This loop issues as few tensor ops as it can: the
+    columns are split once, each CFG stream's rows are one view (reps, S, ...) to which the left features, looked up
+    once per image, broadcast (the same values as drafting through the generic calls, op for op)."""
     g, reps, k = st.g, st.reps, table.shape[0]
     S = u.shape[0]
     trunks = trunk.reshape(reps, S, g.width, -1).unbind(2)  # W x (reps, S, width)
@@ -209,9 +252,9 @@ def _check_options(drafter, rule: CarryRule, exact: bool, carry: bool, temperatu
                              f"use 0 <= latent_delta < 1 (LANTERN's 0.1-0.4)")
     if rule.draft_temperature is not None:
         expect_float("draft_temperature", rule.draft_temperature, 0.0)
-    if rule.left_draft not in ("sequential", "above", "refine"):
-        raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential, above or "
-                         f"refine")
+    if rule.left_draft not in ("sequential", "sequential_loop", "above", "refine"):
+        raise ValueError(f"left_draft={rule.left_draft!r} is not a way to draft a row; use sequential, "
+                         f"sequential_loop, above or refine")
 
 
 @torch.no_grad()
