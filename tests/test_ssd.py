@@ -1217,42 +1217,55 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
         before, state = tokens.clone(), win.st.hid[ssd_tail.image_rows(win.st, b), at - 1].clone()
         out = reweight(win, b, own, first, fed, tokens, pb)
         calls.append((win.st, win.pos.clone(), own, first, fed.clone(), before, pb, state,
-                      win.st.memo.get("down_rows", {}).get((b, win.st.g.row_col(at)[0])), out))
+                      win.st.memo.get("down_rows", {}).get((b, win.st.g.row_col(at)[0])), out, tokens.clone()))
         kept.append(len(win.st.memo["down_rows"]))
         return out
 
-    def by_hand(drafter, calls) -> int:
-        """Check each call's first proposal: q' = p * exp(f(new) - f(old)), f the guided logits computed by hand (the
-        down draft through `down_column`, or one f_phi.right step from the state before the change)."""
-        checked = 0
-        for state, pos, own, first, fed, before, pb, above, cached, (_, slots, qs) in calls:
+    def by_hand(drafter, calls) -> tuple[int, int]:
+        """Check each call's proposals: q' = p * exp(f(new) - f(old)), f the guided logits computed by hand (the
+        down draft through `down_column`, or f_phi.right steps from the state before the change); for the second
+        tail token, new is the first one as drawn again and old as fed. Returns the first proposals checked, and the
+        second ones whose first tail token was drawn other than it stood (its left token changed)."""
+        checked = moved = 0
+        for state, pos, own, first, fed, before, pb, above, cached, (_, slots, qs), after in calls:
             if not slots.numel():
                 continue
             g, slot = state.g, int(own[first + 1])
             assert int(slots[0]) == slot
             c = int(pos[slot]) - g.position(g.row_col(int(pos[slot]))[0], 0)
 
-            def guided(tok):
-                e = m.embed_visual(tok).expand(2, -1)
-                h = drafter.right(above, e) if cached is None else drafter.down_column(cached[0][:, c],
-                                                                                        cached[1][:, c], e)
+            def guided(toks, col):  # toks: the tokens after the change, nearest to it first
+                h = above
+                for tok in toks:
+                    e = m.embed_visual(tok).expand(2, -1)
+                    h = drafter.right(h, e) if cached is None else drafter.down_column(cached[0][:, col],
+                                                                                       cached[1][:, col], e)
                 cond, uncond = m.visual_logits(h)  # (2, D) in: the conditional and unconditional rows
                 return uncond + 3.0 * (cond - uncond)
 
-            want = pb[slot] * torch.exp(guided(before[own[first]]) - guided(fed[own[first]]))
+            new, old = before[own[first]], fed[own[first]]
+            want = pb[slot] * torch.exp(guided([new], c) - guided([old], c))
             assert torch.allclose(qs[0], want / want.sum(), atol=1e-5)
             checked += 1
-        return checked
+            if slots.numel() > 1:  # the second: after the first tail token as drawn again, and as fed
+                nxt = int(slots[1])
+                path_new, path_old = ([new, after[slot]], [old, fed[slot]]) if cached is None else \
+                    ([after[slot]], [fed[slot]])
+                want = pb[nxt] * torch.exp(guided(path_new, c + 1) - guided(path_old, c + 1))
+                assert torch.allclose(qs[1], want / want.sum(), atol=1e-5)
+                moved += int(after[slot] != before[slot])
+        return checked, moved
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ssd_tail, "reweight", spy)
         out, st = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **kw)
-        assert by_hand(d, calls) >= 5 and all(c[8] is not None for c in calls if c[-1][1].numel())  # down rows
+        checked, moved = by_hand(d, calls)
+        assert checked >= 5 and moved >= 1 and all(c[8] is not None for c in calls if c[9][1].numel())  # down rows
         assert max(kept) <= 4 * 2  # at most the rows not final yet of each image
         calls.clear()
         point = noisy_drafter(m)  # no left context: every row's tokens after a change from f_phi.right's chain
         ssd.generate(m, p, point, rngs=make_rngs(range(4)), **kw)
-        assert by_hand(point, calls) >= 5 and all(c[8] is None for c in calls)
+        assert by_hand(point, calls)[0] >= 5 and all(c[8] is None for c in calls)
     _, plain = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **dict(kw, reweight=0))
     assert st["draft_calls"] > plain["draft_calls"]
     for i in range(4):

@@ -64,36 +64,68 @@ def reweight(win, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, toke
     if (win.rule.redraft and row < win.redraft_rows) or not tail.numel():
         return _none(win, b, own)
     cached = st.memo["down_rows"].get((b, row))
-    if cached is None:  # chain f_phi.right: the states after the new and after the old tokens, (2, reps, D)
-        h = st.hid[image_rows(st, b), at - 1].expand(2, -1, -1)
-        pair = torch.stack([tokens[own[first]], fed[own[first]]])
-    else:
-        trunk, hidden = cached  # (reps, W, width), (reps, W, D)
-        table = left_table(st, win.drafter)  # (k, image tokens, width)
+    if cached is not None:
+        return b, tail, _reweight_down(win, b, tail, at, row, cached, fed, tokens, p)
+    # chain f_phi.right: the states after the new and after the old tokens, (2, reps, D)
+    h = st.hid[image_rows(st, b), at - 1].expand(2, -1, -1)
+    pair = torch.stack([tokens[own[first]], fed[own[first]]])
     qs = []
     for slot in tail.tolist():
-        s = int(win.pos[slot])
-        if cached is None:
-            h = win.drafter.right(h, st.embed(pair)[:, None].expand(-1, st.reps, -1))
-        else:  # the k tokens before s, nearest first, as judged (new) and as fed (old); before the change: final
-            left = [torch.stack([tokens[slot - j], fed[slot - j]]) if s - j >= at else st.seq[b, s - j].expand(2)
-                    for j in range(1, table.shape[0] + 1)]
-            c = s - st.g.position(row, 0)
-            feats = sum(table[j][tok] for j, tok in enumerate(left))  # (2, width): new, old
-            h = win.drafter.down_step(trunk[None, :, c], hidden[None, :, c], feats[:, None])  # (2, reps, D)
-        q, tok = _redraw(st, b, p[slot], h)
+        h = win.drafter.right(h, st.embed(pair)[:, None].expand(-1, st.reps, -1))
+        q, tok = _redraw(st, b, p[slot], _pair_logits(st, h[:, :, None])[:, 0])
         tokens[slot] = tok
         qs.append(q)
-        if cached is None:  # the next step of the chains: after this token as drawn and as fed
-            pair = torch.stack([tok, fed[slot]])
+        pair = torch.stack([tok, fed[slot]])  # the next step of the chains: after this token as drawn and as fed
     st.draft_calls += tail.numel()
     return b, tail, torch.stack(qs)
 
 
-def _redraw(st: SpecState, b: int, p: torch.Tensor, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q' = norm(p * exp((l_new - l_old) / T)) from the drafter's states (2, reps, D) given the new and the old token
-    (guided logits l, at the sampling temperature T), and image b's draw from it."""
-    logits = st.logits(states.transpose(0, 1).reshape(-1, states.shape[-1]))  # (2, V): new, old
+def _reweight_down(win, b: int, tail: torch.Tensor, at: int, row: int, cached: tuple, fed: torch.Tensor,
+                   tokens: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`reweight` in a row drafted down: each tail token's down draft given the new and the old left tokens. A tail
+    token's new left tokens include the tail tokens before it, which are drawn again first; all of the tail is
+    drafted in one call with those taken as they stand (as judged), and a token is drafted again (one more call)
+    only where a tail token before it was drawn other than that. So each token is drawn from the same q' as drawing
+    them one at a time, the draws in the same order. Returns the proposals (m, V); writes the tokens in place."""
+    st = win.st
+    trunk, hidden = cached  # (reps, W, width), (reps, W, D)
+    table = left_table(st, win.drafter)  # (k, image tokens, width)
+    k, start = table.shape[0], st.g.position(row, 0)
+    slots = tail.tolist()
+
+    def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
+        feats = []
+        for slot in part:
+            s = int(win.pos[slot])
+            left = [torch.stack([tokens[slot - j], fed[slot - j]]) if s - j >= at else st.seq[b, s - j].expand(2)
+                    for j in range(1, k + 1)]
+            feats.append(sum(table[j][tok] for j, tok in enumerate(left)))  # (2, width): new, old
+        cols = [int(win.pos[slot]) - start for slot in part]
+        h = win.drafter.down_step(trunk[None, :, cols], hidden[None, :, cols], torch.stack(feats, 1)[:, None])
+        st.draft_calls += 1
+        return _pair_logits(st, h)  # h: (2, reps, m, D)
+
+    pair = logits(slots)
+    qs, redrawn = [], False
+    for i, slot in enumerate(slots):
+        if redrawn:  # a tail token before it was drawn other than it stood: its new left tokens changed
+            pair[:, i:] = logits(slots[i:])
+            redrawn = False
+        q, tok = _redraw(st, b, p[slot], pair[:, i])
+        redrawn = bool(tok != tokens[slot])
+        tokens[slot] = tok
+        qs.append(q)
+    return torch.stack(qs)
+
+
+def _pair_logits(st: SpecState, states: torch.Tensor) -> torch.Tensor:
+    """Guided logits (2, m, V) of the drafter's states (2, reps, m, D) given the new and the old token."""
+    return st.logits(states.transpose(0, 1))[0]
+
+
+def _redraw(st: SpecState, b: int, p: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q' = norm(p * exp((l_new - l_old) / T)) from the drafter's guided logits (2, V) given the new and the old token,
+    at the sampling temperature T, and image b's draw from it."""
     temperature = st.temperature if st.temperature > 0 else 1.0
     q = torch.softmax(p.log() + (logits[0] - logits[1]) / temperature, -1)
     return q, sample_probs(q[None], st.image_gens([b]))[0]
