@@ -84,9 +84,10 @@ def _draft_down_left(st: SpecState, drafter, above: torch.Tensor, rep: torch.Ten
                      draft_temperature: float | None,
                      left_draft: str = "sequential") -> tuple[torch.Tensor, torch.Tensor]:
     """Down drafts with left context: the row trunk once, then column by column from the previous column's draft
-    (`left_draft="sequential"`, by fixed-point iteration; `"sequential_loop"`: one call per column), or every column in one call with the token above its left neighbour standing in
-    for that neighbour's draft (`"above"`; column 0's left neighbour is known either way), or that call followed by
-    a second one whose left neighbours are the first call's most likely drafts (`"refine"`)."""
+    (`left_draft="sequential"`, by fixed-point iteration; `"sequential_loop"`: one call per column), or every column
+    in one call with the token above its left neighbour standing in for that neighbour's draft (`"above"`; column 0's
+    left neighbour is known either way), or that call followed by a second one whose left neighbours are the first
+    call's most likely drafts (`"refine"`)."""
     g = st.g
     hidden = st.hid[rep, above - 1]  # (S', W, D)
     trunk = drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)

@@ -42,11 +42,11 @@ class CarryRule:
     or "latent_carried" (fresh drafts by the speculative test, carried tokens by the relaxed one);
     left_draft (drafters with left context; beyond the paper): "sequential" drafts a down row column by column, each
     from the previous column's draft, found by fixed-point iteration in a few drafter calls (`ssd._draft_columns`;
-    "sequential_loop": the same drafts, one call per column); "above" drafts it in one call, the token above each column's
-    left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine" drafts it
-    twice in one call each, the second time with each left neighbour the first call's most likely draft; lossless
-    every way (verification divides by the q each draft was drawn from); a drafter without left context drafts a row
-    in one call whatever this says;
+    "sequential_loop": the same drafts, one call per column); "above" drafts it in one call, the token above each
+    column's left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine"
+    drafts it twice in one call each, the second time with each left neighbour the first call's most likely draft;
+    lossless every way (verification divides by the q each draft was drawn from); a drafter without left context
+    drafts a row in one call whatever this says;
     siblings (beyond the paper): for each image's first this many window tokens, the pass also feeds the proposal's
     most likely other token at the same position; when a pass's first change draws one of them, the token after the
     change is judged in the same pass from that alternative's state, by the rule the next pass would apply (0: off;
@@ -136,9 +136,8 @@ class CarryWindow:
 
     def frontier_row(self) -> torch.Tensor:
         """(B,) the row of each image's first non-final visual token."""
-        g = self.st.g
-        off = self.final_upto - g.prefix_len
-        return off // g.stride + (off % g.stride >= g.width).long()  # an end-of-row slot: the next row
+        g = self.st.g  # offset r * stride + c is row r for c < width, and row r + 1 at an end-of-row slot (c >= width)
+        return (self.final_upto + (g.stride - g.width - g.prefix_len)) // g.stride
 
     def wants(self) -> torch.Tensor:
         """(B,) images whose next row is due (window final or row budget spent) and within their own window bound:
@@ -148,9 +147,8 @@ class CarryWindow:
         if rule.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
             ok &= self.next_row - self.frontier_row() < rule.max_window_rows
         if rule.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
-            g = self.st.g
-            unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto).clamp_min(0)  # first-row tokens not final
-            ok &= ~((self.next_row == 1) & (unsettled > rule.second_row_wait))
+            g = self.st.g  # at most second_row_wait of the first row's tokens not final: final_upto past the rest
+            ok &= (self.next_row != 1) | (self.final_upto >= g.position(0, g.width - 1) + 1 - rule.second_row_wait)
         if rule.max_fed is not None:  # the row above's states must have been computed (drafts read them)
             g = self.st.g
             above_end = g.position((self.next_row - 1).clamp_min(0), g.width - 1)  # the row above's last slot
