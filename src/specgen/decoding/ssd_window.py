@@ -120,6 +120,7 @@ class CarryWindow:
         self.stale = torch.full((B,), g.prefix_len, dtype=torch.long, device=dev)
         self.seen = self.stale.clone()
         self.recorded = torch.zeros(B, dtype=torch.long, device=dev)  # first-pass acceptance recorded below this slot
+        self.front_seen = None  # each image's frontier row when the rows' final passes were last updated (`judge`)
         if rule.reweight:  # the down rows' trunks and states above, per (image, row), kept by the drafting for reweight
             st.memo["down_rows"] = {}
 
@@ -143,7 +144,7 @@ class CarryWindow:
         """(B,) images whose next row is due (window final or row budget spent) and within their own window bound:
         what batch-1 decoding would draft now."""
         rule = self.rule
-        ok = (~self.live() | (self.spent > rule.rounds)) & (self.next_row < self.st.g.height)
+        ok = ((self.final_upto >= self.drafted_upto) | (self.spent > rule.rounds)) & (self.next_row < self.st.g.height)
         if rule.max_window_rows is not None:  # bounds the tokens fed per pass: rows not final yet, the new one included
             ok &= self.next_row - self.frontier_row() < rule.max_window_rows
         if rule.second_row_wait is not None:  # the first row's unsettled drafts make poor rows above for down drafts
@@ -157,8 +158,10 @@ class CarryWindow:
 
     def lead_ok(self) -> torch.Tensor:
         """(B,) images not too far ahead of the batch's slowest unfinished image."""
+        if self.rule.max_lead is None or self.st.B == 1:  # one image is never ahead of itself
+            return torch.ones(self.st.B, dtype=torch.bool, device=self.next_row.device)
         unfinished = self.next_row < self.st.g.height
-        if self.rule.max_lead is None or not unfinished.any():
+        if not unfinished.any():
             return torch.ones_like(unfinished)
         return self.next_row <= self.next_row[unfinished].min() + self.rule.max_lead
 
@@ -285,12 +288,15 @@ class CarryWindow:
         self.spent[act] += 1
         self.passes[act] += 1
         front = self.frontier_row()
-        done = torch.arange(g.height, device=pos.device)[None] < front[:, None]  # (B, H) rows final
-        if "down_rows" in st.memo:  # a final row is not reweighted any more
-            rows, front = st.memo["down_rows"], front.tolist()
-            for key in [key for key in rows if key[1] < front[key[0]]]:
-                del rows[key]
-        self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
+        seen = front.tolist()
+        if seen != self.front_seen:  # a row became final (else nothing below changes)
+            self.front_seen = seen
+            done = torch.arange(g.height, device=pos.device)[None] < front[:, None]  # (B, H) rows final
+            if "down_rows" in st.memo:  # a final row is not reweighted any more
+                rows = st.memo["down_rows"]
+                for key in [key for key in rows if key[1] < seen[key[0]]]:
+                    del rows[key]
+            self.row_final = torch.where(done & (self.row_final < 0), (self.passes + 1)[:, None], self.row_final)
         keep = pos >= int(self.final_upto.min())  # drop what every image has finalised
         self.pos, self.prop, self.fresh = pos[keep], self.prop[:, keep], self.fresh[:, keep]
 
