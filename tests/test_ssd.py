@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from specgen.backbones.shapes_llama import ShapesLlama
-from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
+from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, ssd_columns, zipar
 from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
@@ -1143,7 +1143,7 @@ def test_pass_statistics_counted_at_once_equal_counting_pass_by_pass():
 @pytest.mark.parametrize("cfg_scale", [1.0, 2.0])
 @pytest.mark.parametrize("solver", ["loop", "fixed_point"])
 def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_scale, solver):
-    """`_draft_columns` (how a down row is drafted) gives the tokens and proposals of the plain loop: per column, the
+    """`ssd_columns.draft_columns` (how a down row is drafted) gives the tokens and proposals of the plain loop: per column, the
     left tokens' features from the lookup table, `down_step` on the flat CFG rows, `st.dist` and `inverse_cdf`, the
     draft written into the row before the next column; two images, two left tokens. The lean loop op for op; the
     fixed-point solver (every column at once, again from its own drafts until none changes) the same tokens, and the
@@ -1177,7 +1177,7 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
         got = []
         for guess in guesses[:1] if solver == "loop" else guesses:
             calls = st.draft_calls
-            got.append((*ssd._draft_columns(st, d, trunk, hidden, before, table, u, 0.5, guess.clone(), solver),
+            got.append((*ssd_columns.draft_columns(st, d, trunk, hidden, before, table, u, 0.5, guess.clone(), solver),
                         st.draft_calls - calls))
         buf = torch.cat([before, before.new_zeros(len(before), g.width)], 1)
         want_codes, want_q = [], []

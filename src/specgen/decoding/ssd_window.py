@@ -41,7 +41,7 @@ class CarryRule:
     space, nearest first, at most `latent_delta`; not lossless, each judgement moves at most latent_delta of p's mass)
     or "latent_carried" (fresh drafts by the speculative test, carried tokens by the relaxed one);
     left_draft (drafters with left context; beyond the paper): "sequential" drafts a down row column by column, each
-    from the previous column's draft, found by fixed-point iteration in a few drafter calls (`ssd._draft_columns`;
+    from the previous column's draft, found by fixed-point iteration in a few drafter calls (`ssd_columns.draft_columns`;
     "sequential_loop": the same drafts, one call per column); "above" drafts it in one call, the token above each
     column's left neighbour standing in for that neighbour's draft (the drafts agree less with each other); "refine"
     drafts it twice in one call each, the second time with each left neighbour the first call's most likely draft;
