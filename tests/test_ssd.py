@@ -808,8 +808,8 @@ def test_second_row_wait_drafts_row_one_only_once_row_zero_has_settled(monkeypat
     seen, add = [], CarryWindow.add
 
     def spy(self, images, rows, q):
-        unsettled = (g.position(0, g.width - 1) + 1 - self.final_upto[images]).clamp_min(0)
-        seen.extend(int(u) for u, r in zip(unsettled, rows) if int(r) == 1)
+        unsettled = [max(g.position(0, g.width - 1) + 1 - self.final_upto[b], 0) for b in images]
+        seen.extend(u for u, r in zip(unsettled, rows) if r == 1)
         return add(self, images, rows, q)
     monkeypatch.setattr(CarryWindow, "add", spy)
     ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
@@ -1213,7 +1213,7 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
     calls, kept = [], []
 
     def spy(win, b, own, first, fed, tokens, pb, reweight=ssd_tail.reweight):
-        at = int(win.pos[own[first]])
+        at = win.slots[own[first]]
         before, state = tokens.clone(), win.st.hid[ssd_tail.image_rows(win.st, b), at - 1].clone()
         out = reweight(win, b, own, first, fed, tokens, pb)
         calls.append((win.st, win.pos.clone(), own, first, fed.clone(), before, pb, state,
@@ -1228,10 +1228,10 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
         second ones whose first tail token was drawn other than it stood (its left token changed)."""
         checked = moved = 0
         for state, pos, own, first, fed, before, pb, above, cached, (_, slots, qs), after in calls:
-            if not slots.numel():
+            if not slots:
                 continue
             g, slot = state.g, int(own[first + 1])
-            assert int(slots[0]) == slot
+            assert slots[0] == slot
             c = int(pos[slot]) - g.position(g.row_col(int(pos[slot]))[0], 0)
 
             def guided(toks, col):  # toks: the tokens after the change, nearest to it first
@@ -1247,8 +1247,8 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
             want = pb[slot] * torch.exp(guided([new], c) - guided([old], c))
             assert torch.allclose(qs[0], want / want.sum(), atol=1e-5)
             checked += 1
-            if slots.numel() > 1:  # the second: after the first tail token as drawn again, and as fed
-                nxt = int(slots[1])
+            if len(slots) > 1:  # the second: after the first tail token as drawn again, and as fed
+                nxt = slots[1]
                 path_new, path_old = ([new, after[slot]], [old, fed[slot]]) if cached is None else \
                     ([after[slot]], [fed[slot]])
                 want = pb[nxt] * torch.exp(guided(path_new, c + 1) - guided(path_old, c + 1))
@@ -1260,7 +1260,7 @@ def test_reweight_draws_the_token_after_a_change_from_the_reweighted_p_and_keeps
         mp.setattr(ssd_tail, "reweight", spy)
         out, st = ssd.generate(m, p, d, rngs=make_rngs(range(4)), **kw)
         checked, moved = by_hand(d, calls)
-        assert checked >= 5 and moved >= 1 and all(c[8] is not None for c in calls if c[9][1].numel())  # down rows
+        assert checked >= 5 and moved >= 1 and all(c[8] is not None for c in calls if c[9][1])  # down rows
         assert max(kept) <= 4 * 2  # at most the rows not final yet of each image
         calls.clear()
         point = noisy_drafter(m)  # no left context: every row's tokens after a change from f_phi.right's chain

@@ -289,26 +289,24 @@ def _verify_autocorrect(st: SpecState, cols: torch.Tensor, q: torch.Tensor, roun
 
 def _generate_carry(st: SpecState, drafter, rule: CarryRule, vertical: bool):
     """`carry=True`: per-image rows over one verification window (see `ssd_window.CarryWindow`)."""
-    g, B = st.g, st.B
-    dev = st.seq.device
+    g = st.g
     win = CarryWindow(st, rule, drafter)
-    accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)
-    rounds_used = torch.zeros(B, g.height, dtype=torch.long, device=dev)
     flush = 0
     while True:
         draft_due(st, win, drafter, vertical)
-        if not win.live().any():
-            if not (win.next_row < g.height).any():
+        if not any(win.live()):
+            if not win.unfinished():
                 break
             continue
-        if not (win.next_row < g.height).any():
+        if not win.unfinished():
             flush += 1
-        win.step(accept_map, rounds_used)
+        win.step()
     codes = st.codes()
+    accept_map = win.accept_map
     return codes, {"nfe": st.nfe, "draft_calls": st.draft_calls, "tokens_per_pass": g.num_visual_tokens / st.nfe,
-                   "accept_rate": accept_map.float().mean((1, 2)), "rounds_per_row": rounds_used.float().mean(1),
-                   "accept_map": accept_map,
-                   "image_passes": (win.passes + 1).float(), "row_final_pass": win.row_final,
+                   "accept_rate": accept_map.float().mean((1, 2)),
+                   "rounds_per_row": win.rounds_used.float().mean(1), "accept_map": accept_map,
+                   "image_passes": win.image_passes(), "row_final_pass": win.row_final,
                    "flush_passes": flush, "state_slots": st.hid.peak_slots, "tokens_fed": st.fed_per_image(),
                    **win.pass_stats()}
 
@@ -317,20 +315,21 @@ def draft_due(st: SpecState, win: CarryWindow, drafter, vertical: bool) -> None:
     """Release the states no draft or pass reads any more, and draft the rows that are due (`win.ready()`)."""
     g, dev, draft_temperature = st.g, st.seq.device, win.rule.draft_temperature
     st.hid.release(win.floor())
-    ready = win.ready()
-    if not ready.any():
+    images = win.ready()
+    if not images:
         return
-    images = ready.nonzero().flatten()
-    rows = win.next_row[images]
-    if vertical and int(rows.min()) > 0:
-        draft, q = _draft_down(st, drafter, rows, images, draft_temperature, win.rule.left_draft)
-    elif not bool(ready.all()) or int(rows.max()) != int(rows.min()):
+    rows = [win.next_row[b] for b in images]
+    if vertical and min(rows) > 0:
+        draft, q = _draft_down(st, drafter, torch.tensor(rows, device=dev), torch.tensor(images, device=dev),
+                               draft_temperature, win.rule.left_draft)
+    elif len(images) < st.B or max(rows) != min(rows):
         return  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
     else:
-        r = int(rows[0])
+        r = rows[0]
         start = g.prefix_len - 1 if r == 0 else g.position(r - 1, g.width - 1) - 1
         draft, q = _draft_right(st, drafter, start, r, draft_temperature)
-    st.set_tokens(g.position(rows[:, None], torch.arange(g.width, device=dev)), draft, images)
+    cols = torch.tensor([g.position(r, 0) for r in rows], device=dev)[:, None] + torch.arange(g.width, device=dev)
+    st.set_tokens(cols, draft, torch.tensor(images, device=dev))
     win.add(images, rows, q)
 
 

@@ -38,9 +38,6 @@ class _Image:
         self.index = index
         self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
         self.win = CarryWindow(self.st, rule, drafter)
-        g, dev = self.st.g, self.st.seq.device
-        self.accept_map = torch.zeros(1, g.height, g.width, dtype=torch.bool, device=dev)
-        self.rounds_used = torch.zeros(1, g.height, dtype=torch.long, device=dev)
         self.drafter, self.vertical = drafter, vertical
         self.flush = 0
         self.siblings = None  # the alternatives fed with the image's next pass (`CarryWindow.sibling_inputs`)
@@ -50,27 +47,27 @@ class _Image:
         is done. A window needing no new states (nothing changed since the last pass) is judged at once."""
         from specgen.decoding.ssd import draft_due  # ssd delegates to this module
 
-        st, win, H = self.st, self.win, self.st.g.height
+        st, win = self.st, self.win
         if st.cached < st.g.prefix_len:
             return st.g.prefix_len  # the prefill
         while True:
             draft_due(st, win, self.drafter, self.vertical)
-            if not win.live().any():
-                if not (win.next_row < H).any():
+            if not any(win.live()):
+                if not win.unfinished():
                     return None
                 continue
             end = win.pass_end()
             if st.cached < end:
-                if not (win.next_row < H).any():
+                if not win.unfinished():
                     self.flush += 1
                 self.siblings = win.sibling_inputs()
                 return end
-            win.judge(self.accept_map, self.rounds_used)
+            win.judge()
 
     def after_pass(self, states: torch.Tensor | None) -> None:
         """Judge the window after a pass; `states` (reps, k, D): the states of the alternatives it fed."""
         if self.win.pos.numel():  # not after the prefill: nothing is drafted yet
-            self.win.judge(self.accept_map, self.rounds_used, self.siblings, states)
+            self.win.judge(self.siblings, states)
 
 
 @torch.no_grad()
@@ -157,11 +154,11 @@ def _collect(images: list[_Image], nfe: int, slots: int):
     per = {k: cat([img.win.pass_stats()[k] for img in images]) for k in images[0].win.pass_stats()}
     passes = torch.tensor([float(img.st.nfe) for img in images], device=codes.device)
     g = images[0].st.g
-    accept_map = torch.cat([img.accept_map for img in images])
+    accept_map = torch.cat([img.win.accept_map for img in images])
     return codes, {"nfe": nfe, "draft_calls": sum(img.st.draft_calls for img in images),
                    "tokens_per_pass": len(images) * g.num_visual_tokens / nfe,
                    "accept_rate": accept_map.float().mean((1, 2)),
-                   "rounds_per_row": torch.cat([img.rounds_used for img in images]).float().mean(1),
+                   "rounds_per_row": torch.cat([img.win.rounds_used for img in images]).float().mean(1),
                    "accept_map": accept_map,
                    "image_passes": passes, "tokens_fed": torch.cat([img.st.fed_per_image() for img in images]),
                    "row_final_pass": torch.cat([img.win.row_final for img in images]),

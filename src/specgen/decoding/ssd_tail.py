@@ -17,42 +17,43 @@ def image_rows(st: SpecState, b: int) -> torch.Tensor:
     return torch.tensor([b + k * st.B for k in range(st.reps)], device=st.seq.device)
 
 
-def _tail(win, own: torch.Tensor, first: int, depth: int) -> tuple[int, int, torch.Tensor]:
-    """(slot of the change, its row, the window slots of up to `depth` tokens after it in that row)."""
-    g, pos = win.st.g, win.pos
-    at = int(pos[own[first]])
+def _tail(win, own: range, first: int, depth: int) -> tuple[int, int, list[int]]:
+    """(slot of the change, its row, the window slots of up to `depth` tokens after it in that row); `own`: the
+    image's window slots."""
+    g, slots = win.st.g, win.slots
+    at = slots[own[first]]
     row = g.row_col(at)[0]
-    tail = own[first + 1: first + 1 + depth]
-    return at, row, tail[pos[tail] < g.position(row, g.width)]
+    end = g.position(row, g.width)
+    return at, row, [i for i in own[first + 1: first + 1 + depth] if slots[i] < end]
 
 
-def _none(win, b: int, own: torch.Tensor):
-    return b, own[:0], win.prop.new_zeros(0, win.st.g.num_visual)
+def _none(win, b: int):
+    return b, [], None
 
 
-def redraft(win, b: int, own: torch.Tensor, first: int, tokens: torch.Tensor):
+def redraft(win, b: int, own: range, first: int, tokens: torch.Tensor):
     """`redraft`: image b's tokens after its first change (window slot own[first]), up to `redraft` of them in the
     changed token's row and only in the first `redraft_rows` rows, drafted again by chaining f_phi.right from the
     target state before the change (fresh: every token before it is final) through the corrected token. Writes the
     drafts into `tokens` (n,) at the window's slots."""
     st = win.st
-    if st.g.row_col(int(win.pos[own[first]]))[0] >= win.redraft_rows:  # on ints first: most passes end here
-        return _none(win, b, own)
+    if st.g.row_col(win.slots[own[first]])[0] >= win.redraft_rows:  # on ints first: most passes end here
+        return _none(win, b)
     at, _, tail = _tail(win, own, first, win.rule.redraft)
-    if not tail.numel():
-        return _none(win, b, own)
+    if not tail:
+        return _none(win, b)
     h, tok, qs = st.hid[image_rows(st, b), at - 1], tokens[own[first]].view(1), []
-    for slot in tail.tolist():
+    for slot in tail:
         h = win.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
         q = st.dist(h, win.rule.draft_temperature)  # (1, V)
         tok = sample_probs(q, st.image_gens([b]))
         tokens[slot] = tok[0]
         qs.append(q[0])
-    st.draft_calls += tail.numel()
+    st.draft_calls += len(tail)
     return b, tail, torch.stack(qs)
 
 
-def reweight(win, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor):
+def reweight(win, b: int, own: range, first: int, fed: torch.Tensor, tokens: torch.Tensor, p: torch.Tensor):
     """`reweight`: image b's tokens after its first change (window slot own[first]), up to `reweight` of them in the
     changed token's row (not in the rows `redraft` serves), drawn again from q' ~ p * f(new) / f(old). f: in a row
     drafted down (its trunk and states above kept in `st.memo["down_rows"]`), the down draft of each column given the
@@ -61,8 +62,8 @@ def reweight(win, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, toke
     as it judged them, written in place; `p` (n, V): this pass's distributions."""
     st = win.st
     at, row, tail = _tail(win, own, first, win.rule.reweight)
-    if (win.rule.redraft and row < win.redraft_rows) or not tail.numel():
-        return _none(win, b, own)
+    if (win.rule.redraft and row < win.redraft_rows) or not tail:
+        return _none(win, b)
     cached = st.memo["down_rows"].get((b, row))
     if cached is not None:
         return b, tail, _reweight_down(win, b, tail, at, row, cached, fed, tokens, p)
@@ -70,17 +71,17 @@ def reweight(win, b: int, own: torch.Tensor, first: int, fed: torch.Tensor, toke
     h = st.hid[image_rows(st, b), at - 1].expand(2, -1, -1)
     pair = torch.stack([tokens[own[first]], fed[own[first]]])
     qs = []
-    for slot in tail.tolist():
+    for slot in tail:
         h = win.drafter.right(h, st.embed(pair)[:, None].expand(-1, st.reps, -1))
         q, tok = _redraw(st, b, p[slot], _pair_logits(st, h[:, :, None])[:, 0])
         tokens[slot] = tok
         qs.append(q)
         pair = torch.stack([tok, fed[slot]])  # the next step of the chains: after this token as drawn and as fed
-    st.draft_calls += tail.numel()
+    st.draft_calls += len(tail)
     return b, tail, torch.stack(qs)
 
 
-def _reweight_down(win, b: int, tail: torch.Tensor, at: int, row: int, cached: tuple, fed: torch.Tensor,
+def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tuple, fed: torch.Tensor,
                    tokens: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`reweight` in a row drafted down: each tail token's down draft given the new and the old left tokens. A tail
     token's new left tokens include the tail tokens before it, which are drawn again first; all of the tail is
@@ -91,16 +92,16 @@ def _reweight_down(win, b: int, tail: torch.Tensor, at: int, row: int, cached: t
     trunk, hidden = cached  # (reps, W, width), (reps, W, D)
     table = left_table(st, win.drafter)  # (k, image tokens, width)
     k, start = table.shape[0], st.g.position(row, 0)
-    slots = tail.tolist()
+    slots = tail
 
     def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
         feats = []
         for slot in part:
-            s = int(win.pos[slot])
+            s = win.slots[slot]
             left = [torch.stack([tokens[slot - j], fed[slot - j]]) if s - j >= at else st.seq[b, s - j].expand(2)
                     for j in range(1, k + 1)]
             feats.append(sum(table[j][tok] for j, tok in enumerate(left)))  # (2, width): new, old
-        cols = [int(win.pos[slot]) - start for slot in part]
+        cols = [win.slots[slot] - start for slot in part]
         h = win.drafter.down_step(trunk[None, :, cols], hidden[None, :, cols], torch.stack(feats, 1)[:, None])
         st.draft_calls += 1
         return _pair_logits(st, h)  # h: (2, reps, m, D)

@@ -222,6 +222,14 @@ class SpecState:
             self.cached = min(self.cached, int(pos[changed].min()))
         self.seq[rows, pos] = new
 
+    def write_tokens(self, positions: torch.Tensor, codes: torch.Tensor, first: int | None) -> None:
+        """Write visual codes (B, n) at positions (n,) for every image, where the caller knows the first position
+        whose token changed (`first`; None: none changed, nothing to write): `set_tokens` without comparing."""
+        if first is None:
+            return
+        self.cached = min(self.cached, first)
+        self.seq[:, positions] = codes.repeat(self.reps, 1) if self.reps > 1 else codes
+
     def image_gens(self, images) -> list[torch.Generator] | None:
         """The random streams of a subset of the images."""
         return None if self.rngs is None else [self.rngs[int(b)] for b in images]
