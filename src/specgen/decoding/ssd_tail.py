@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specgen.decoding.sampling import sample_probs
+from specgen.decoding.sampling import inverse_cdf, sample_probs, uniform
 from specgen.decoding.state import SpecState
 
 
@@ -85,38 +85,44 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
                    tokens: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`reweight` in a row drafted down: each tail token's down draft given the new and the old left tokens. A tail
     token's new left tokens include the tail tokens before it, which are drawn again first; all of the tail is
-    drafted in one call with those taken as they stand (as judged), and a token is drafted again (one more call)
-    only where a tail token before it was drawn other than that. So each token is drawn from the same q' as drawing
-    them one at a time, the draws in the same order. Returns the proposals (m, V); writes the tokens in place."""
+    drafted and drawn in one call with those taken as they stand (as judged), and where a tail token is drawn other
+    than it stood, the tokens after it are drafted and drawn again (one more call) with the same uniforms. So each
+    token is drawn from the same q' as drawing them one at a time, with the same draws (a generator's n draws at once
+    are its n draws one at a time). Returns the proposals (m, V); writes the tokens in place. The tail is consecutive
+    window slots (consecutive columns of one row)."""
     st = win.st
     trunk, hidden = cached  # (reps, W, width), (reps, W, D)
     table = left_table(st, win.drafter)  # (k, image tokens, width)
     k, start = table.shape[0], st.g.position(row, 0)
-    slots = tail
+    temperature = st.temperature if st.temperature > 0 else 1.0
+    u = uniform((1, len(tail)), st.image_gens([b]), p.device)[0]  # (m,): the tail's draws, in order
 
     def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
-        feats = []
-        for slot in part:
-            s = win.slots[slot]
-            left = [torch.stack([tokens[slot - j], fed[slot - j]]) if s - j >= at else st.seq[b, s - j].expand(2)
-                    for j in range(1, k + 1)]
-            feats.append(sum(table[j][tok] for j, tok in enumerate(left)))  # (2, width): new, old
-        cols = [win.slots[slot] - start for slot in part]
-        h = win.drafter.down_step(trunk[None, :, cols], hidden[None, :, cols], torch.stack(feats, 1)[:, None])
+        idx, feats = torch.arange(part[0], part[-1] + 1, device=tokens.device), 0
+        for j in range(1, k + 1):
+            if win.slots[part[0]] - j >= at:  # every one after the change: as drawn (new) and as fed (old)
+                left = torch.stack([tokens[idx - j], fed[idx - j]])  # (2, m)
+            else:
+                left = torch.stack([torch.stack([tokens[i - j], fed[i - j]]) if win.slots[i] - j >= at
+                                    else st.seq[b, win.slots[i] - j].expand(2) for i in part], 1)
+            feats = feats + table[j - 1][left]  # (2, m, width)
+        c = win.slots[part[0]] - start
+        h = win.drafter.down_step(trunk[None, :, c:c + len(part)], hidden[None, :, c:c + len(part)], feats[:, None])
         st.draft_calls += 1
         return _pair_logits(st, h)  # h: (2, reps, m, D)
 
-    pair = logits(slots)
-    qs, redrawn = [], False
-    for i, slot in enumerate(slots):
-        if redrawn:  # a tail token before it was drawn other than it stood: its new left tokens changed
-            pair[:, i:] = logits(slots[i:])
-            redrawn = False
-        q, tok = _redraw(st, b, p[slot], pair[:, i])
-        redrawn = bool(tok != tokens[slot])
-        tokens[slot] = tok
-        qs.append(q)
-    return torch.stack(qs)
+    qs, i = [], 0
+    while i < len(tail):
+        part = tail[i:]
+        pair = logits(part)
+        q = torch.softmax(p[part[0]:part[-1] + 1].log() + (pair[0] - pair[1]) / temperature, -1)  # (m - i, V)
+        tok = inverse_cdf(q, u[i:])
+        moved = (tok != tokens[part[0]:part[-1] + 1]).nonzero().flatten().tolist()
+        n = moved[0] + 1 if moved else len(part)  # through the first token drawn other than it stood
+        tokens[part[0]:part[0] + n] = tok[:n]
+        qs.append(q[:n])
+        i += n
+    return torch.cat(qs)
 
 
 def _pair_logits(st: SpecState, states: torch.Tensor) -> torch.Tensor:
