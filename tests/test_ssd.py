@@ -1371,3 +1371,22 @@ def test_latent_acceptance_in_the_carry_window():
         ssd.generate(m, p, noisy_drafter(m), carry=False, acceptance="latent")
     with pytest.raises(RuntimeError, match="attach_tokenizer"):
         ssd.generate(tiny(True, grid=6), p, noisy_drafter(m), acceptance="latent", **kw)
+
+
+def test_spec_state_looks_up_image_embeddings_in_a_table_only_where_it_is_small(monkeypatch):
+    """`SpecState.embed` gives `embed_image`'s embeddings of visual codes and forced tokens (end-of-row), mixed in one
+    call, from a per-generation table where every image token's embedding fits in `EMBED_TABLE_MAX` values, and
+    through `embed_image` (no table) where it does not."""
+    from specgen.backbones.protocol import embed_image
+    from specgen.decoding import state
+
+    m = tiny(True, grid=6)
+    g = m.grid
+    tokens = torch.tensor([[0, 5, g.num_visual, 23], [g.num_visual, 1, 2, 0]])  # visual codes and end-of-row tokens
+    want = embed_image(m, tokens)
+    st = state.SpecState(m, m.prompts(PROMPTS[:1]), 3.0, 1.0, None, None)
+    assert torch.equal(st.embed(tokens), want) and st.memo["embed_table"].shape == (g.num_visual + len(g.forced_ids), m.hidden_size)
+    assert torch.equal(st.embed(tokens[0, 1]), want[0, 1])  # any shape, a 0-d token too
+    monkeypatch.setattr(state, "EMBED_TABLE_MAX", (g.num_visual + len(g.forced_ids)) * m.hidden_size - 1)
+    big = state.SpecState(m, m.prompts(PROMPTS[:1]), 3.0, 1.0, None, None)
+    assert torch.equal(big.embed(tokens), want) and "embed_table" not in big.memo

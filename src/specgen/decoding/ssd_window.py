@@ -327,7 +327,8 @@ class CarryWindow:
                 self.prop[b, lo:hi] = p[b, lo:hi]
         for b, tail, q in redrafts:  # re-drafted tails are judged against their drafts' q next pass
             if tail:
-                self.prop[b, tail], self.fresh[b, tail] = q, True
+                at = slice(tail[0], tail[-1] + 1)  # consecutive window slots
+                self.prop[b, at], self.fresh[b, at] = q, True
         for b, _, _ in acted:
             self.spent[b] += 1
             self.passes[b] += 1

@@ -107,6 +107,9 @@ class StateWindow:
         return torch.where((idx < n)[..., None] if idx.ndim else idx < n, out, 0)
 
 
+EMBED_TABLE_MAX = 1 << 20  # values in a generation's table of image-token embeddings (`SpecState.embed`)
+
+
 class SpecState:
     """Buffers of one batched generation: image tokens, latest target states, cache bookkeeping.
 
@@ -135,8 +138,19 @@ class SpecState:
         self.memo: dict = {}  # values a decoder computes once per generation (a drafter's lookup tables)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Input embeddings of image tokens (any shape)."""
-        return embed_image(self.bb, tokens)
+        """Input embeddings of image tokens (any shape). Where every image token's embedding fits in a small table
+        (at most `EMBED_TABLE_MAX` values: the embedded world's 514 x 256), they are computed once per generation and
+        looked up: a window with an end-of-row token would otherwise embed visual and forced tokens apart and merge
+        them, a dozen small ops each pass. A real backbone's codebook (16k-33k codes at width 2k-4k) is embedded per
+        call."""
+        table = self.memo.get("embed_table")
+        if table is None:
+            g = self.g
+            n = g.num_visual + len(g.forced_ids)
+            if n * self.bb.hidden_size > EMBED_TABLE_MAX:
+                return embed_image(self.bb, tokens)
+            table = self.memo["embed_table"] = embed_image(self.bb, torch.arange(n, device=self.seq.device))
+        return table[tokens]
 
     def target_pass(self, end: int, siblings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive).
