@@ -2,8 +2,9 @@
 resampled) given the token the change replaced, and change again in the next pass about a third of the time. Beyond
 the paper, two ways to propose them again before that pass: `redraft` chains f_phi.right from the fresh target state
 before the change through the new token; `reweight` moves the pass's own p of each by the drafter's estimate of what
-the change did, p(x | old) * f(x | new) / f(x | old). Each returns (image, window slots, proposals): the new tokens are
-written into the window's tokens and judged next pass against those proposals, as fresh drafts are."""
+the change did, p(x | old) * f(x | new) / f(x | old). Each returns (image, window slots (a list of consecutive ones,
+empty when it drew nothing), proposals (m, V) or None): the new tokens are written into the window's tokens and judged
+next pass against those proposals, as fresh drafts are."""
 from __future__ import annotations
 
 import torch
