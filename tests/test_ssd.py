@@ -375,7 +375,8 @@ def test_carry_rule_holds_every_window_option_of_generate_with_its_default():
     import dataclasses
     import inspect
 
-    from specgen.decoding.ssd_window import CarryRule, CarryWindow
+    from specgen.decoding.ssd_rule import CarryRule
+    from specgen.decoding.ssd_window import CarryWindow
 
     params = inspect.signature(ssd.generate).parameters
     fields = {f.name for f in dataclasses.fields(CarryRule)}

@@ -33,7 +33,8 @@ from specgen.decoding.sampling import accept_or_resample, sample_probs, uniform
 from specgen.decoding.ssd_columns import draft_columns
 from specgen.decoding.ssd_judge import RULES
 from specgen.decoding.ssd_tail import left_table
-from specgen.decoding.ssd_window import CarryRule, CarryWindow
+from specgen.decoding.ssd_rule import CarryRule
+from specgen.decoding.ssd_window import CarryWindow
 from specgen.decoding.state import SpecState, check_drafter, fit_drafter
 from specgen.utils.validate import expect_float, expect_int
 
@@ -200,7 +201,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter, cfg_scale: f
     (q one-hot). Verification divides by the q the draft was drawn from, so exact mode stays lossless.
     `left_draft` (drafters with left context): how a down row is drafted, with or without carry. `max_lead`,
     `max_window_rows`, `redraft`, `redraft_rows`, `max_row_passes`, `second_row_wait`, `acceptance` (and its
-    `typical_*` and `latent_*`), `siblings`, `max_fed` and `reweight` shape the carry window: see `ssd_window.CarryRule`, where each is
+    `typical_*` and `latent_*`), `siblings`, `max_fed` and `reweight` shape the carry window: see `ssd_rule.CarryRule`, where each is
     documented.
     `slots` (carry only): continuous batching (`ssd_stream`): the prompts are a queue, at most `slots` images are
     in flight and a finished image hands its slot to the next prompt (null: the prompts are one fixed batch).

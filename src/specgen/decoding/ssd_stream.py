@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
-from specgen.decoding.ssd_window import CarryRule, CarryWindow
+from specgen.decoding.ssd_rule import CarryRule
+from specgen.decoding.ssd_window import CarryWindow
 from specgen.decoding.state import SpecState
 from specgen.utils.validate import expect_int
 

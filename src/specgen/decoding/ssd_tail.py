@@ -28,7 +28,7 @@ def _tail(win, own: range, first: int, depth: int) -> tuple[int, int, list[int]]
     return at, row, [i for i in own[first + 1: first + 1 + depth] if slots[i] < end]
 
 
-def _none(win, b: int):
+def _none(b: int):
     return b, [], None
 
 
@@ -39,10 +39,10 @@ def redraft(win, b: int, own: range, first: int, tokens: torch.Tensor):
     drafts into `tokens` (n,) at the window's slots."""
     st = win.st
     if st.g.row_col(win.slots[own[first]])[0] >= win.redraft_rows:  # on ints first: most passes end here
-        return _none(win, b)
+        return _none(b)
     at, _, tail = _tail(win, own, first, win.rule.redraft)
     if not tail:
-        return _none(win, b)
+        return _none(b)
     h, tok, qs = st.hid[image_rows(st, b), at - 1], tokens[own[first]].view(1), []
     for slot in tail:
         h = win.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
@@ -64,7 +64,7 @@ def reweight(win, b: int, own: range, first: int, fed: torch.Tensor, tokens: tor
     st = win.st
     at, row, tail = _tail(win, own, first, win.rule.reweight)
     if (win.rule.redraft and row < win.redraft_rows) or not tail:
-        return _none(win, b)
+        return _none(b)
     cached = st.memo["down_rows"].get((b, row))
     if cached is not None:
         return b, tail, _reweight_down(win, b, tail, at, row, cached, fed, tokens, p)
