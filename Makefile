@@ -15,7 +15,7 @@ $(VENV)/.installed: requirements.txt setup.py setup.cfg pyproject.toml
 	touch $@
 
 quickstart: setup
-	WANDB_SILENT=true $(BIN)/python -m specgen.eval experiment=quickstart hydra.run.dir=$(RUN)
+	WANDB_SILENT=true $(BIN)/python -m specgen.eval experiment=eval/quickstart hydra.run.dir=$(RUN)
 
 test: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -m "not slow" -q
@@ -24,7 +24,7 @@ test-slow: setup
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -m slow -q
 
 benchmark: setup
-	$(BIN)/python -m specgen.eval experiment=discrete_speed hydra.run.dir=logs/discrete_speed
+	$(BIN)/python -m specgen.eval experiment=eval/discrete_speed hydra.run.dir=logs/discrete_speed
 
 # every table and figure of both papers on the embedded world (resumable: finished entries are skipped)
 figures: setup
@@ -37,10 +37,10 @@ retrain-gpu: setup
 	PY=$(BIN)/python bash experiments/gpu_retrain/run.sh
 
 retrain-tokenizer: setup
-	$(BIN)/python -m specgen.train experiment=vq_shapes hydra.run.dir=logs/vq_shapes/run0
+	$(BIN)/python -m specgen.train experiment=train/vq_shapes hydra.run.dir=logs/vq_shapes/run0
 
 retrain-backbone: setup
-	$(BIN)/python -m specgen.train experiment=ar_shapes_train hydra.run.dir=logs/ar_shapes_train/run0
+	$(BIN)/python -m specgen.train experiment=train/ar_shapes hydra.run.dir=logs/ar_shapes_train/run0
 
 clean:
 	rm -rf logs outputs .pytest_cache

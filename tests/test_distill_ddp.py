@@ -60,7 +60,7 @@ def test_fsdp_is_configured_for_gpus_and_refused_on_cpu(tmp_path):
     from hydra.utils import instantiate
     from lightning.pytorch.strategies import FSDPStrategy
 
-    cfg = compose_cfg("train", ["experiment=fphi_real", "trainer=fsdp", "data.prompts_path=p.txt"], tmp_path)
+    cfg = compose_cfg("train", ["experiment=train/fphi_real", "trainer=fsdp", "data.prompts_path=p.txt"], tmp_path)
     strategy = instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "full"
     assert (cfg.trainer.accelerator, cfg.trainer.precision) == ("gpu", "bf16-mixed")

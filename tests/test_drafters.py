@@ -81,14 +81,14 @@ def test_drafter_kind_mismatches_suggest_the_right_command():
     assert "vertical=false" not in str(err.value)
     with pytest.raises(ValueError, match=r"is an f_phi \(SSD\) drafter.*not multi-token heads.*decoding=ssd"):
         mtp1d.generate(m, p, FPhi(m.hidden_size, "xs"), temperature=0)
-    with pytest.raises(ValueError, match=r"MTP checkpoint.*width 32 .*experiment=mtp_shapes") as err:
+    with pytest.raises(ValueError, match=r"MTP checkpoint.*width 32 .*experiment=train/mtp_shapes") as err:
         mtp1d.generate(m, p, MTPHeads(32, num_heads=2), temperature=0)
     assert "fphi_shapes" not in str(err.value)
     heads.backbone_id = "aaaa"
     m.identity = "bbbb-cccc"
-    with pytest.raises(ValueError, match=r"MTP checkpoint.*from backbone weights 'aaaa'.*experiment=mtp_shapes"):
+    with pytest.raises(ValueError, match=r"MTP checkpoint.*from backbone weights 'aaaa'.*experiment=train/mtp_shapes"):
         mtp1d.generate(m, p, heads, temperature=0)
-    with pytest.raises(ValueError, match=r"token-id drafter.*width 32.*experiment=fphi_tokens_shapes"):
+    with pytest.raises(ValueError, match=r"token-id drafter.*width 32.*experiment=train/fphi_tokens_shapes"):
         ssd.generate(m, p, TokenDrafter(32, 24, "xs"), temperature=0)
     with pytest.raises(ValueError, match=r"drafts \['right', 'down'\] but the drafter predicts only \['right'\].*"
                                          r"vertical=false"):

@@ -14,27 +14,29 @@ from specgen.evaluation.geneval import TASKS
 from specgen.utils.checkpoints import PRODUCERS
 from specgen.utils.hydra import CONFIG_DIR
 
-EXPERIMENTS = sorted(p.stem for p in Path(CONFIG_DIR, "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.relative_to(Path(CONFIG_DIR, "experiment")).with_suffix("").as_posix()
+                     for p in Path(CONFIG_DIR, "experiment").rglob("*.yaml"))
 # training experiments choose a LightningModule (directly or through the experiment they extend)
 TRAIN_EXPERIMENTS = [e for e in EXPERIMENTS if "export_name:" in Path(CONFIG_DIR, "experiment", f"{e}.yaml").read_text()]
 
 
 def _tiny_train(exp: str, exports: Path) -> list[str]:
+    name = exp.split("/")[-1]  # train/<name>
     o = [f"experiment={exp}", "tokenizer.ch=16", "tokenizer.mults=[2,2]", "tokenizer.z_dim=8",
-         "data.batch_size=4", "num_threads=1"] + (["tokenizer.num_codes=64", "backbone.num_codes=64"] if exp != "kl_shapes" else [])
-    if exp.startswith("mar_"):
-        target = exports / ("mar_p2" if "cpu" in exp else "mar")
-        return [f"module.target_dir={target}"] * ("draft" in exp) + [f"experiment={exp}", f"data.tokenizer_dir={exports / 'kl'}", "data.shard_size=8", "data.train_shards=1",
+         "data.batch_size=4", "num_threads=1"] + (["tokenizer.num_codes=64", "backbone.num_codes=64"] if name != "kl_shapes" else [])
+    if name.startswith("mar_"):
+        target = exports / ("mar_p2" if "cpu" in name else "mar")
+        return [f"module.target_dir={target}"] * ("draft" in name) + [f"experiment={exp}", f"data.tokenizer_dir={exports / 'kl'}", "data.shard_size=8", "data.train_shards=1",
                 "data.encode_batch=8", "data.batch_size=2", "backbone.preset=tiny", "backbone.token_dim=8",
                 "backbone.sample_steps=5", "num_threads=1"]
-    if exp.startswith("ar"):
+    if name.startswith("ar"):
         o += ["backbone.preset=tiny", f"data.tokenizer_dir={exports / 'vq'}", "data.shard_size=16",
               "data.train_shards=1", "data.encode_batch=16",
               "callbacks.val_geneval.prompts_per_task=1", "callbacks.val_geneval.samples=1"]
-    elif exp in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes", "fphi_accept"):  # drafters of the tiny backbone
+    elif name in ("fphi_shapes", "mtp_shapes", "fphi_tokens_shapes", "fphi_accept"):  # drafters of the tiny backbone
         o = [f"experiment={exp}", f"data.backbone_dir={exports / 'ar'}", f"data.tokenizer_dir={exports / 'vq'}",
              "data.shard_size=4", "data.sample_batch=4", "data.train_shards=1", "data.batch_size=2",
-             "drafter.hidden_size=64", "num_threads=1"] + (["init_from=null"] if exp == "fphi_accept" else [])
+             "drafter.hidden_size=64", "num_threads=1"] + (["init_from=null"] if name == "fphi_accept" else [])
     else:
         o += ["data.val_size=8"]
     return o
@@ -68,7 +70,7 @@ def _check_targets(cfg: dict) -> list[str]:
 @pytest.mark.parametrize("exp", EXPERIMENTS)
 def test_every_experiment_composes_resolves_and_names_real_objects(exp, tmp_path):
     entry = "train" if exp in TRAIN_EXPERIMENTS else "eval"
-    paths = {"real_continuous": ["mar_pair.draft_path=/weights/mar_base.pth"]}.get(exp, [])  # given by the user
+    paths = {"eval/real_continuous": ["mar_pair.draft_path=/weights/mar_base.pth"]}.get(exp, [])  # given by the user
     cfg = OmegaConf.to_container(compose_cfg(entry, [f"experiment={exp}", *paths], tmp_path), resolve=True)
     checked = _check_targets(cfg)
     if entry == "train":  # what train.py builds: data, module (with its network), trainer
@@ -80,10 +82,10 @@ def test_every_experiment_composes_resolves_and_names_real_objects(exp, tmp_path
                                             f"utils.checkpoints.PRODUCERS is {PRODUCERS[name]}: make them agree")
     else:  # what eval.py builds: the generator and each strategy's function
         assert "generator" in checked and any(w.endswith("fn") for w in checked), checked
-        real = {"real_continuous": "specgen.backbones.mar_release.load_mar_release"}  # released weights by path
+        real = {"eval/real_continuous": "specgen.backbones.mar_release.load_mar_release"}  # released weights by path
         if exp in real:
             assert cfg["generator"]["_target_"] == real[exp]
-        elif exp.startswith("real_"):  # a real discrete backbone from a local folder (tests/test_real_backbones.py)
+        elif exp.startswith("eval/real_"):  # a real discrete backbone from a local folder (tests/test_real_backbones.py)
             assert cfg["generator"]["_target_"].startswith("specgen.backbones.emu3")
         else:
             assert cfg["generator"]["_target_"] == "specgen.backbones.loading.load_shapes_generator"
@@ -96,7 +98,7 @@ def test_every_config_group_option_composes_and_builds(tmp_path):
     for decoding in [p.stem for p in Path(CONFIG_DIR, "decoding").glob("*.yaml")]:
         _check_targets(OmegaConf.to_container(compose_cfg("eval", [f"decoding={decoding}"], tmp_path), resolve=True))
     for drafter in [p.stem for p in Path(CONFIG_DIR, "drafter").glob("*.yaml")]:
-        cfg = compose_cfg("train", ["experiment=fphi_shapes", f"drafter={drafter}", "drafter.hidden_size=16"], tmp_path)
+        cfg = compose_cfg("train", ["experiment=train/fphi_shapes", f"drafter={drafter}", "drafter.hidden_size=16"], tmp_path)
         net = instantiate(cfg.drafter)
         assert isinstance(net, torch.nn.Module) and net.hidden_size == 16 and net.directions, drafter
         assert cfg.module.net.hidden_size == 16  # the distillation module trains the chosen drafter
@@ -126,7 +128,7 @@ def test_every_config_group_option_composes_and_builds(tmp_path):
 @pytest.mark.parametrize("pair,target,draft", [("shapes", "mar_shapes", "mar_shapes_draft"),
                                                 ("shapes_p2", "mar_p2_shapes", "mar_p2_shapes_draft")])
 def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, draft, tmp_path):
-    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=continuous_speed", f"mar_pair={pair}"], tmp_path),
+    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=eval/continuous_speed", f"mar_pair={pair}"], tmp_path),
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
@@ -142,7 +144,7 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                                                         for n in drafts}
     assert [cfg["strategies"][n]["fn"]["align"] for n in ("cspd", "cspd_noalign", "cspd_g4_t42_noalign")] == [True, False,
                                                                                                             False]
-    exact = OmegaConf.to_container(compose_cfg("eval", ["experiment=cspd_tail_sweep", f"mar_pair={pair}"], tmp_path),
+    exact = OmegaConf.to_container(compose_cfg("eval", ["experiment=ablation/cspd_tail_sweep", f"mar_pair={pair}"], tmp_path),
                                    resolve=True)["strategies"]
     lossless = exact["cspd_lossless"]["fn"]
     assert (lossless["ratio"], lossless["acceptance"], lossless["verify"]) == ("exact", "prefix", "stepwise")
@@ -152,27 +154,27 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
 
 
 def test_default_mar_pair_is_the_cpu_sized_one(tmp_path):
-    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=continuous_speed"], tmp_path), resolve=True)
+    cfg = OmegaConf.to_container(compose_cfg("eval", ["experiment=eval/continuous_speed"], tmp_path), resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == "mar_p2_shapes"
     assert Path(cfg["strategies"]["cspd"]["fn"]["draft"]["dirpath"]).name == "mar_p2_shapes_draft"
 
 
-VAL_METRICS = {"vq_shapes": ("val/psnr", "val/parser_acc"), "featnet_shapes": ("val/loss_main", "val/acc_main"),
-               "clip_shapes": ("val/loss", "val/acc_i2t"), "kl_shapes": ("val/psnr", "val/latent_std"),
-               "mar_shapes_train": ("val/loss",), "mar_shapes_cpu_train": ("val/loss",),
-               "mar_draft_train": ("val/loss_data",), "mar_draft_cpu_train": ("val/loss_data",),
-               "ar_shapes_train": ("val/loss", "val/loss_uncond"), "fphi_shapes": ("val/loss",),
-               "fphi_tokens_shapes": ("val/loss",), "mtp_shapes": ("val/loss",)}
+VAL_METRICS = {"train/vq_shapes": ("val/psnr", "val/parser_acc"), "train/featnet_shapes": ("val/loss_main", "val/acc_main"),
+               "train/clip_shapes": ("val/loss", "val/acc_i2t"), "train/kl_shapes": ("val/psnr", "val/latent_std"),
+               "train/mar_shapes": ("val/loss",), "train/mar_shapes_cpu": ("val/loss",),
+               "train/mar_draft": ("val/loss_data",), "train/mar_draft_cpu": ("val/loss_data",),
+               "train/ar_shapes": ("val/loss", "val/loss_uncond"), "train/fphi_shapes": ("val/loss",),
+               "train/fphi_tokens_shapes": ("val/loss",), "train/mtp_shapes": ("val/loss",)}
 
 
-@pytest.mark.parametrize("exp,extra", [("vq_shapes", []), ("featnet_shapes", ["module.net.width=8"]),
-                                       ("clip_shapes", ["data.batch_size=4"]), ("kl_shapes", []), ("mar_shapes_train", []),
-                                       ("mar_draft_train", []), ("mar_shapes_cpu_train", []),
-                                       ("mar_draft_cpu_train", []),
-                                       ("ar_shapes_train", ["backbone.eol=true"]),
-                                       ("ar_shapes_train", ["backbone.eol=false"]), ("fphi_shapes", []),
-                                       ("fphi_tokens_shapes", ["drafter.num_codes=64"]),
-                                       ("mtp_shapes", [])])
+@pytest.mark.parametrize("exp,extra", [("train/vq_shapes", []), ("train/featnet_shapes", ["module.net.width=8"]),
+                                       ("train/clip_shapes", ["data.batch_size=4"]), ("train/kl_shapes", []), ("train/mar_shapes", []),
+                                       ("train/mar_draft", []), ("train/mar_shapes_cpu", []),
+                                       ("train/mar_draft_cpu", []),
+                                       ("train/ar_shapes", ["backbone.eol=true"]),
+                                       ("train/ar_shapes", ["backbone.eol=false"]), ("train/fphi_shapes", []),
+                                       ("train/fphi_tokens_shapes", ["drafter.num_codes=64"]),
+                                       ("train/mtp_shapes", [])])
 def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
     """Every LightningModule trains and validates one batch (both row layouts of the backbone)."""
     from specgen.train import train
@@ -192,7 +194,7 @@ def test_fast_dev_run_of_every_module(exp, extra, tmp_path, tiny_exports):
 def test_resume_continues_the_step_count_and_wandb_leaves_a_run(tmp_path, tiny_exports):
     from specgen.train import train
 
-    base = _tiny_train("ar_shapes_train", tiny_exports) + [
+    base = _tiny_train("train/ar_shapes", tiny_exports) + [
         "trainer.val_check_interval=1", "callbacks.model_checkpoint.every_n_train_steps=2",
         "export_name=export", "logger=wandb"]
     cfg = compose_cfg("train", base + ["trainer.max_steps=2"], tmp_path)
@@ -224,7 +226,7 @@ def test_mar_ema_is_exported_and_resumed(tmp_path, tiny_exports):
 
     from specgen.train import train
 
-    base = _tiny_train("mar_shapes_cpu_train", tiny_exports) + [
+    base = _tiny_train("train/mar_shapes_cpu", tiny_exports) + [
         "trainer.val_check_interval=2", "callbacks.model_checkpoint.every_n_train_steps=2", "trainer.limit_val_batches=1",
         "export_name=export", "logger=none", "module.ema_decay=0.9", "trainer.precision=32-true",
         "module.warmup_steps=1", "module.lr=1e-2"]
@@ -248,7 +250,7 @@ def test_mar_ema_is_exported_and_resumed(tmp_path, tiny_exports):
 
 
 def test_config_value_of_wrong_type_is_named(tmp_path):
-    cfg = compose_cfg("train", ["experiment=vq_shapes", "data.batch_size=abc"], tmp_path)
+    cfg = compose_cfg("train", ["experiment=train/vq_shapes", "data.batch_size=abc"], tmp_path)
     from hydra.errors import InstantiationException
 
     with pytest.raises((TypeError, InstantiationException), match=r"data.batch_size must be an integer, got 'abc'"):
@@ -259,7 +261,7 @@ def test_kl_tokenizer_export_records_the_measured_latent_scale(tmp_path, tiny_ex
     from specgen.train import train
     from specgen.utils.checkpoints import load_exported
 
-    cfg = compose_cfg("train", _tiny_train("kl_shapes", tiny_exports) + [
+    cfg = compose_cfg("train", _tiny_train("train/kl_shapes", tiny_exports) + [
         "trainer.max_steps=2", "trainer.val_check_interval=2", "+trainer.limit_val_batches=2", "data.val_size=8",
         "logger=none", "export_name=kl"], tmp_path)
     train(cfg)
@@ -290,7 +292,7 @@ def test_time_budget_sets_the_step_count_and_the_schedule_follows(tmp_path, tiny
 
     ticks = iter(range(10 ** 6))
     monkeypatch.setattr(TimeBudget, "clock", staticmethod(lambda: 0.01 * next(ticks)))
-    base = [o for o in _tiny_train("ar_shapes_draft_train", tiny_exports) if "val_geneval" not in o]
+    base = [o for o in _tiny_train("train/ar_shapes_draft", tiny_exports) if "val_geneval" not in o]
     cfg = compose_cfg("train", base + [
         "trainer.max_steps=100000", "module.warmup_steps=2", "logger=csv", "export_name=budget",
         "callbacks.time_budget.seconds=1", "callbacks.time_budget.calibrate_from=2",
@@ -381,7 +383,7 @@ def test_prepare_only_writes_the_shards_and_trains_nothing(tmp_path, tiny_export
 
     from specgen.train import train
 
-    over = _tiny_train("ar_shapes_train", tiny_exports) + ["prepare_only=true", "data.render_workers=2"]
+    over = _tiny_train("train/ar_shapes", tiny_exports) + ["prepare_only=true", "data.render_workers=2"]
     cfg = compose_cfg("train", over, tmp_path)
     assert train(cfg) == {}
     shards = sorted((tmp_path / "data" / "shapes_tokens").rglob("*.npz"))
@@ -406,7 +408,7 @@ def test_shards_past_the_first_and_a_task_mixture(tmp_path, tiny_exports):
     from specgen.world.dataset import example
     from specgen.train import train
 
-    over = _tiny_train("ar_shapes_train", tiny_exports) + [
+    over = _tiny_train("train/ar_shapes", tiny_exports) + [
         "prepare_only=true", "data.first_train_shard=2", "data.mix={colors: 1.0}"]
     cfg = compose_cfg("train", over, tmp_path)
     assert train(cfg) == {}
@@ -430,7 +432,7 @@ def test_init_from_starts_the_network_from_an_export(tmp_path, tiny_exports):
     from specgen.train import train
     from specgen.utils.checkpoints import load_exported
 
-    base = _tiny_train("ar_shapes_train", tiny_exports) + ["logger=none", "export_name=cont", "trainer.max_steps=1",
+    base = _tiny_train("train/ar_shapes", tiny_exports) + ["logger=none", "export_name=cont", "trainer.max_steps=1",
                                                            "module.lr=1e-12", "module.warmup_steps=1",
                                                            "trainer.val_check_interval=1"]
     train(compose_cfg("train", base + [f"init_from={tiny_exports / 'ar'}"], tmp_path))
@@ -447,7 +449,7 @@ def test_init_strict_false_grows_a_drafter_from_an_export(tmp_path, tiny_exports
     from specgen.train import train
     from specgen.utils.checkpoints import load_exported
 
-    base = _tiny_train("fphi_accept", tiny_exports) + ["logger=none", "export_name=grown", "trainer.max_steps=1",
+    base = _tiny_train("train/fphi_accept", tiny_exports) + ["logger=none", "export_name=grown", "trainer.max_steps=1",
                                                        "module.lr=1e-12", "module.warmup_steps=1", "drafter.preset=xs",
                                                        "trainer.val_check_interval=1", "trainer.limit_val_batches=1"]
     with pytest.raises(ValueError, match="init_strict=false to grow a net from it"):
@@ -472,9 +474,9 @@ def test_training_precision_follows_the_hardware(tmp_path):
     assert autocast_precision("cpu", str(amx)) == "bf16-mixed"
     assert autocast_precision("gpu", str(avx2)) == "bf16-mixed"
     assert autocast_precision("cpu", str(tmp_path / "missing")) == "32-true"
-    cfg = compose_cfg("train", ["experiment=mar_shapes_cpu_train"], tmp_path)
+    cfg = compose_cfg("train", ["experiment=train/mar_shapes_cpu"], tmp_path)
     assert cfg.trainer.precision == autocast_precision(cfg.trainer.accelerator)
-    assert compose_cfg("train", ["experiment=ar_shapes_train", "trainer=gpu"], tmp_path).trainer.precision == "bf16-mixed"
+    assert compose_cfg("train", ["experiment=train/ar_shapes", "trainer=gpu"], tmp_path).trainer.precision == "bf16-mixed"
 
 
 def test_a_lightning_checkpoint_becomes_an_exported_folder(tmp_path):

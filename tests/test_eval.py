@@ -13,7 +13,7 @@ TASKS = ("single_object", "two_object", "counting", "colors", "position", "color
 
 
 def _eval_cfg(tmp_path, exports, extra=()):
-    return compose_cfg("eval", ["experiment=ar_shapes", f"generator.backbone_dir={exports / 'ar'}",
+    return compose_cfg("eval", ["experiment=eval/ar_shapes", f"generator.backbone_dir={exports / 'ar'}",
                                 f"generator.tokenizer_dir={exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
                                 "benchmark.geneval.samples_per_prompt=1", "logger=csv", *extra], tmp_path)
 
@@ -327,7 +327,7 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     root = Path(__file__).resolve().parents[1] / "checkpoints"
     cspds = ("cspd", "cspd_noalign", "cspd_g4", "cspd_g4_noalign", "cspd_g4_t10", "cspd_g4_t10_noalign", "cspd_g4_t42",
              "cspd_g4_t42_noalign")
-    cfg = compose_cfg("eval", ["experiment=continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
+    cfg = compose_cfg("eval", ["experiment=eval/continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
                                f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=null",
                                "benchmark.fidelity.num_prompts=4",
@@ -358,7 +358,7 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
 
 
 def test_cspd_ablation_shares_the_swept_setting(tmp_path):
-    cfg = compose_cfg("eval", ["experiment=cspd_ablation", "ablation.gamma=16", "ablation.prefill_ratio=0.15"], tmp_path)
+    cfg = compose_cfg("eval", ["experiment=ablation/cspd_ablation", "ablation.gamma=16", "ablation.prefill_ratio=0.15"], tmp_path)
     assert set(cfg.strategies) == {"target", "cspd"}
     assert cfg.strategies.cspd.fn.gamma == 16 and cfg.strategies.cspd.fn.prefill_ratio == 0.15
     assert cfg.strategies.cspd.fn.ratio == "paper"
@@ -371,7 +371,7 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
 
     from specgen.eval import evaluate as run_eval
 
-    base = ["experiment=discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
+    base = ["experiment=eval/discrete_speed", f"generator.backbone_dir={tiny_exports / 'ar'}",
             f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
             "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=2", "speed.num_prompts=2",
             "speed.batch_sizes=[1,2]", "speed.entropy_prompts=2", "logger=csv"]
@@ -402,7 +402,7 @@ def test_collect_keeps_strategy_names_of_side_by_side_jobs(tmp_path):
     for i, r in enumerate((0, 2)):
         job = tmp_path / str(i)
         (job / ".hydra").mkdir(parents=True)
-        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=ssd_ablation\n- strategies.ssd.fn.rounds={r}\n")
+        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=ablation/ssd_ablation\n- strategies.ssd.fn.rounds={r}\n")
         (job / "metrics.json").write_text(json.dumps({"ar/speed/nfe": 272.0, "ssd/speed/nfe": 20.0 + 10 * r,
                                                       "ssd/speed/nfe_ratio": 272.0 / (20 + 10 * r)}))
     rows = collect(tmp_path, ["ssd/speed/nfe_ratio", "ar/speed/nfe"])
@@ -435,7 +435,7 @@ def test_quickstart_with_every_benchmark_logs_to_wandb_and_prints_one_table(tmp_
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    base = ["experiment=quickstart", f"generator.backbone_dir={tiny_exports / 'ar'}",
+    base = ["experiment=eval/quickstart", f"generator.backbone_dir={tiny_exports / 'ar'}",
             f"generator.tokenizer_dir={tiny_exports / 'vq'}", "benchmark.geneval.prompts_per_task=1",
             "benchmark.geneval.samples_per_prompt=1", "benchmark.dpg.num_prompts=1", "benchmark.clipscore.num_prompts=2",
             "benchmark.fidelity.num_prompts=4", f"benchmark.clipscore.checkpoint={root / 'clip_shapes' / 'model.safetensors'}",
@@ -456,7 +456,7 @@ def test_speed_only_run_of_the_discrete_benchmark(tmp_path, tiny_exports):
     """benchmark=none on an experiment that sets GenEval sizes: speed only, no error."""
     from specgen.eval import evaluate as run_eval
 
-    base = ["experiment=discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
+    base = ["experiment=eval/discrete_speed", "benchmark=none", f"generator.backbone_dir={tiny_exports / 'ar'}",
             f"generator.tokenizer_dir={tiny_exports / 'vq'}", "~strategies.mtp1d", "~strategies.specdec",
             "speed.num_prompts=1", "speed.batch_sizes=[1]", "speed.entropy_prompts=1", "logger=none"]
     cfg = compose_cfg("eval", base + tiny_drafter_overrides("eval", base, tiny_exports, tmp_path), tmp_path)

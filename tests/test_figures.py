@@ -56,9 +56,9 @@ def test_pareto_and_sweep_pngs_from_flat_metrics(tmp_path):
 def test_the_rounds_experiment_is_recognised_as_a_sweep(tmp_path):
     from specgen.evaluation.runner import swept_settings
 
-    cfg = compose_cfg("eval", ["experiment=ssd_rounds"], tmp_path)
+    cfg = compose_cfg("eval", ["experiment=ablation/ssd_rounds"], tmp_path)
     assert swept_settings(cfg) == {"rounds": {f"ssd_r{r}": float(r) for r in range(5)}}
-    assert swept_settings(compose_cfg("eval", ["experiment=discrete_speed"], tmp_path)) == {}
+    assert swept_settings(compose_cfg("eval", ["experiment=eval/discrete_speed"], tmp_path)) == {}
 
 
 def test_speed_ratio_interval_grows_with_the_spread_of_passes():
@@ -86,13 +86,13 @@ def test_speed_ratio_interval_grows_with_the_spread_of_passes():
 
 
 def test_a_rounds_run_writes_its_figures_and_logs_them_to_wandb(tmp_path, tiny_exports):
-    """experiment=ssd_rounds with GenEval on tiny models: the sweep plot, the acceptance maps side by side,
+    """experiment=ablation/ssd_rounds with GenEval on tiny models: the sweep plot, the acceptance maps side by side,
     captioned samples and the Pareto plot are written, and reach the offline W&B run with the summary table."""
     from specgen.eval import evaluate as run_eval
 
     fphi = [f"strategies.ssd_{s}.fn.drafter.dirpath={tiny_exports / 'fphi'}" for s in ("r0", "r1", "r2")]
     drop = [f"~strategies.ssd_{s}" for s in ("r3", "r4", "paper", "pointwise", "redraft")]
-    cfg = compose_cfg("eval", ["experiment=ssd_rounds", "benchmark=geneval_shapes", *drop,
+    cfg = compose_cfg("eval", ["experiment=ablation/ssd_rounds", "benchmark=geneval_shapes", *drop,
                                f"generator.backbone_dir={tiny_exports / 'ar'}", f"generator.tokenizer_dir={tiny_exports / 'vq'}",
                                "benchmark.geneval.prompts_per_task=1", "benchmark.geneval.samples_per_prompt=1",
                                "speed.num_prompts=2", "speed.batch_sizes=[1]", "logger=wandb", *fphi], tmp_path)

@@ -223,7 +223,7 @@ def test_real_discrete_decodes_every_strategy_into_a_geneval_folder(tmp_path):
     meta = tmp_path / "evaluation_metadata.jsonl"
     meta.write_text("".join(json.dumps({"tag": t, "include": [{"class": "dog", "count": 1}], "prompt": p}) + "\n"
                             for t, p in [("single_object", "a photo of a dog"), ("counting", "two red circles")]))
-    cfg = compose_cfg("eval", ["experiment=real_discrete", "generator=emu3", f"generator.weights_path={path}",
+    cfg = compose_cfg("eval", ["experiment=eval/real_discrete", "generator=emu3", f"generator.weights_path={path}",
                                "generator.tokens_per_side=4", "generator.device=cpu", f"drafter_dir={tmp_path / 'fphi'}",
                                f"benchmark.prompts_path={meta}", "benchmark.geneval.samples_per_prompt=1",
                                "speed.num_prompts=2", "logger=csv"], tmp_path)
@@ -248,7 +248,7 @@ def test_fphi_real_distils_from_a_prompt_file_and_its_export_refuses_another_bac
     path = build_tiny("janus_pro", tmp_path / "janus", side=4, sharpen=3.0)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\ntwo blue squares\na green cross\n")
-    cfg = compose_cfg("train", ["experiment=fphi_real", "generator=janus_pro", f"generator.weights_path={path}",
+    cfg = compose_cfg("train", ["experiment=train/fphi_real", "generator=janus_pro", f"generator.weights_path={path}",
                                 "generator.device=cpu", f"data.prompts_path={prompts}", "trainer.max_steps=3",
                                 "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "drafter.hidden_size=64",
                                 "data.train_shards=1", "data.shard_size=4", "data.sample_batch=4", "data.batch_size=2",
@@ -439,7 +439,7 @@ def test_real_discrete_writes_dpg_bench_grids_and_skips_scoring_without_a_vqa_mo
     fphi_cfg = {"_target_": "specgen.drafters.fphi.FPhi", "hidden_size": 64, "preset": "xs", "backbone_id": identity}
     export(tmp_path / "fphi", FPhi(64, "xs", backbone_id=identity), fphi_cfg)
     folder, _ = _dpg_files(tmp_path)
-    cfg = compose_cfg("eval", ["experiment=real_discrete", "benchmark=dpg_real", "generator=emu3",
+    cfg = compose_cfg("eval", ["experiment=eval/real_discrete", "benchmark=dpg_real", "generator=emu3",
                                f"generator.weights_path={path}", "generator.tokens_per_side=4", "generator.device=cpu",
                                f"drafter_dir={tmp_path / 'fphi'}", f"benchmark.prompts_path={folder}",
                                "benchmark.dpg.num_prompts=1", "speed.num_prompts=1", "~strategies.zipar", "logger=csv"],

@@ -1,4 +1,4 @@
-"""experiment=real_continuous on tiny random MAR and xAR releases (the command shape of a GPU run with real weights),
+"""experiment=eval/real_continuous on tiny random MAR and xAR releases (the command shape of a GPU run with real weights),
 the class-conditional FID against reference statistics, and the GPU check script's CPU mode."""
 import json
 import sys
@@ -25,7 +25,7 @@ def test_real_continuous_runs_on_tiny_releases_with_the_flat_metric_keys(tmp_pat
     torch.save({"model": kl16_state_dict(mults=(1, 2, 2), z=3)}, tmp_path / "kl16.ckpt")
     shape = ["grid_size=4", "token_dim=3", "buffer_size=8", "num_classes=10", "sample_steps=5"]
     cfg = compose_cfg("eval", [
-        "experiment=real_continuous", f"generator.weights_path={tmp_path / 'target.pth'}",
+        "experiment=eval/real_continuous", f"generator.weights_path={tmp_path / 'target.pth'}",
         f"generator.vae_path={tmp_path / 'kl16.ckpt'}", "generator.sizes=[32,2,1,4,16,2]",
         "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
         *[f"generator.{s}" for s in shape], f"mar_pair.draft_path={tmp_path / 'draft.pth'}",
@@ -45,7 +45,7 @@ def test_real_continuous_runs_on_tiny_xar_releases(tmp_path):
     torch.save({"model": kl16_state_dict(mults=(1, 2, 2), z=3)}, tmp_path / "kl16.ckpt")
     shape = ["grid_size=4", "unit_size=2", "token_dim=3", "num_classes=10", "sample_steps=4"]
     cfg = compose_cfg("eval", [
-        "experiment=real_continuous", "generator=xar", "mar_pair=xar_b_l",
+        "experiment=eval/real_continuous", "generator=xar", "mar_pair=xar_b_l",
         f"generator.weights_path={tmp_path / 'xAR-L.pth'}", f"generator.vae_path={tmp_path / 'kl16.ckpt'}",
         "generator.sizes=[32,2,1,4]", "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
         *[f"generator.{s}" for s in shape], f"mar_pair.draft_path={tmp_path / 'xAR-B.pth'}",
@@ -89,7 +89,7 @@ def test_real_continuous_runs_on_tiny_harmon_releases(tmp_path):
 
     target, draft = tiny_folder(tmp_path / "t"), tiny_folder(tmp_path / "d", hidden=16, seed=1)
     cfg = compose_cfg("eval", [
-        "experiment=real_continuous", "generator=harmon", "mar_pair=harmon_05_15",
+        "experiment=eval/real_continuous", "generator=harmon", "mar_pair=harmon_05_15",
         f"generator.folder={target}", f"generator.vae_path={target / 'kl16.ckpt'}",
         f"generator.mar_sizes=[{','.join(map(str, MAR_SIZES))}]", "generator.grid_size=4", "generator.token_dim=3",
         "generator.buffer_size=8", "generator.num_classes=10", "generator.sample_steps=5",

@@ -17,7 +17,7 @@ TIMING = ("ar/speed/latency_s", "ar/speed/throughput_img_s")
 
 
 def _overrides(exports: Path) -> list[str]:
-    return ["experiment=ar_shapes", f"generator.backbone_dir={exports / 'ar'}", f"generator.tokenizer_dir={exports / 'vq'}",
+    return ["experiment=eval/ar_shapes", f"generator.backbone_dir={exports / 'ar'}", f"generator.tokenizer_dir={exports / 'vq'}",
             "benchmark.geneval.prompts_per_task=1", "benchmark.geneval.samples_per_prompt=2", "batch_size=3",
             "logger=csv", "num_threads=1"]
 

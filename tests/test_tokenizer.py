@@ -36,7 +36,7 @@ def test_wrong_image_size_is_rejected_with_the_fix():
 
 
 def test_missing_checkpoint_names_the_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"python -m specgen.train experiment=vq_shapes"):
+    with pytest.raises(FileNotFoundError, match=r"python -m specgen.train experiment=train/vq_shapes"):
         load_exported(tmp_path / "vq_shapes")
 
 

@@ -102,7 +102,7 @@ def test_every_shipped_folder_names_the_experiment_that_exports_it():
 
 
 def test_missing_export_names_its_producer(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"tmp.*ar_shapes'.*experiment=ar_shapes_train"):
+    with pytest.raises(FileNotFoundError, match=r"tmp.*ar_shapes'.*experiment=train/ar_shapes"):
         load_exported(tmp_path / "ar_shapes")
 
 
@@ -115,7 +115,7 @@ def test_a_broken_weights_file_is_named_with_the_fix(tmp_path, damage):
     broken = {"truncated": data[: len(data) // 2], "garbage": b"not a model" * 10, "empty": b""}[damage]
     (dst / "model.safetensors").write_bytes(broken)
     with pytest.raises(ValueError, match=r"fphi_shapes/model\.safetensors' is not a complete safetensors file .*"
-                                         r"truncated or corrupted.*experiment=fphi_shapes.*git checkout -- "
+                                         r"truncated or corrupted.*experiment=train/fphi_shapes.*git checkout -- "
                                          r"checkpoints/fphi_shapes"):
         load_exported(dst)
 

@@ -14,7 +14,7 @@ step, so on xAR it does not credit running the chains of a round's drafted cells
 * lossless (stepwise verification, prefix acceptance): a round commits its drafted steps up to the first
   with a rejection; with per-token acceptance a and n tokens per step, a step survives with a^n.
 
-Random weights say nothing about acceptance: measure it with real weights (experiment=real_continuous)
+Random weights say nothing about acceptance: measure it with real weights (experiment=eval/real_continuous)
 and pass it with --accept. `--tiny` runs the same on tiny models on CPU (the test suite does).
 
     python experiments/real_backbones/continuous_check.py --out logs/continuous_check          # GPU

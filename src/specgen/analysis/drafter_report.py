@@ -73,7 +73,7 @@ def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: li
 
 def validation_shard(backbone_dir: str, tokenizer_dir: str, cache_dir: str, sequences: int, cfg_scale: float) -> Path:
     """The distillation stage's validation shard of `sequences` teacher samples at `cfg_scale`, written if missing
-    (the same file, key and seeds as `experiment=fphi_shapes data.shard_size=<sequences>` writes)."""
+    (the same file, key and seeds as `experiment=train/fphi_shapes data.shard_size=<sequences>` writes)."""
     data = DistillDataModule(backbone_dir, tokenizer_dir, cache_dir, train_shards=1, val_shards=1,
                              shard_size=sequences, sample_batch=min(64, sequences), cfg_scale=cfg_scale)
     data.prepare_split("val")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     for s in args.shards:
         if not Path(s).is_file():
             raise FileNotFoundError(f"--shards {s!r} is not a file: give val_*.npz files written by the distillation "
-                                    f"stage (python -m specgen.train experiment=fphi_shapes prepare_only=true)")
+                                    f"stage (python -m specgen.train experiment=train/fphi_shapes prepare_only=true)")
     report = {d: evaluate(d, args.backbone, args.tokenizer, args.shards, args.cfg_scale) for d in args.drafters}
     atomic_write_text(args.out, json.dumps(report, indent=2))
     dirs = sorted({k.split("_")[-1] for r in report.values() for k in r if k.startswith("accept_")})

@@ -40,7 +40,7 @@ def read_results(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}: lacks the columns {missing}; expected a results.csv written by specgen.eval")
         rows = [r for r in reader if r.get("benchmark", "geneval") == "geneval" and r["tag"] in TASKS]
     if not rows:
-        raise ValueError(f"{path}: no GenEval rows; run a GenEval benchmark first (e.g. experiment=ar_shapes)")
+        raise ValueError(f"{path}: no GenEval rows; run a GenEval benchmark first (e.g. experiment=eval/ar_shapes)")
     seen: dict[tuple[str, str], int] = defaultdict(int)
     for r in rows:
         key = (r.get("decoding", ""), r["prompt"])

@@ -15,7 +15,7 @@ unchecked per image and, across worlds, the log-log slope of the ratio against t
         --prompts 32 --out logs/grid_scaling
 
 -> <out>/grid_scaling.json, grid_scaling.png (ratio against side), one row_passes_<side>.png per world. Quality
-at these settings is measured by the benchmark (experiment=grid_scaling32 for the larger world, discrete_speed for
+at these settings is measured by the benchmark (experiment=eval/grid_scaling32 for the larger world, discrete_speed for
 the default one): this tool counts passes only.
 """
 from __future__ import annotations

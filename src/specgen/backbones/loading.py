@@ -13,7 +13,7 @@ def weights_id(dirpath: str | Path) -> str:
     """Identity of an exported model: a hash of its weights file."""
     if dirpath is None:
         raise ValueError("no exported model folder given (null): set it in the config, e.g. "
-                         "drafter_dir=<fphi_real run>/export for experiment=real_discrete")
+                         "drafter_dir=<fphi_real run>/export for experiment=eval/real_discrete")
     h = hashlib.sha1()
     with open(Path(dirpath) / "model.safetensors", "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

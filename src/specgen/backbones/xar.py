@@ -247,7 +247,7 @@ class XAR(nn.Module):
         """Cells in raster order, one per generation step (the same for every image)."""
         if num_iter != self.seq_len:
             raise ValueError(f"num_iter={num_iter}: xAR generates one cell per step, {self.seq_len} cells here; set "
-                             f"num_iter={self.seq_len} (experiment=real_continuous: mar_pair=xar_b_l sets it)")
+                             f"num_iter={self.seq_len} (experiment=eval/real_continuous: mar_pair=xar_b_l sets it)")
         rank = torch.arange(self.seq_len, device=self.device).expand(len(rngs), -1)
         return rank, list(range(1, self.seq_len + 1))
 

@@ -14,11 +14,11 @@ def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = 
     drafter's kind and the experiment that distils the right one."""
     have = getattr(drafter, "directions", None)
     if have and all(d.startswith("ahead_") for d in have):
-        kind, experiment = "an MTP checkpoint (1D multi-token heads)", "mtp_shapes"
+        kind, experiment = "an MTP checkpoint (1D multi-token heads)", "train/mtp_shapes"
     elif getattr(drafter, "predicts", "hidden") == "tokens":
-        kind, experiment = "a token-id drafter (the f_phi ablation)", "fphi_tokens_shapes"
+        kind, experiment = "a token-id drafter (the f_phi ablation)", "train/fphi_tokens_shapes"
     else:
-        kind, experiment = "an f_phi (SSD) drafter", "fphi_shapes"
+        kind, experiment = "an f_phi (SSD) drafter", "train/fphi_shapes"
     retrain = f"python -m specgen.train experiment={experiment} data.backbone_dir=<backbone folder>"
     width = getattr(drafter, "hidden_size", None)
     if width is not None and width != backbone.hidden_size:
@@ -32,14 +32,14 @@ def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = 
     missing = [d for d in needs if have is not None and d not in have]
     if not missing:
         return
-    if experiment == "mtp_shapes":  # 1D heads where SSD's right/down drafter belongs
+    if experiment == "train/mtp_shapes":  # 1D heads where SSD's right/down drafter belongs
         raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not an SSD drafter: decode with it "
                          f"as decoding=mtp1d, or give this decoder an f_phi folder (checkpoints/fphi_shapes; "
-                         f"python -m specgen.train experiment=fphi_shapes)")
+                         f"python -m specgen.train experiment=train/fphi_shapes)")
     if all(d.startswith("ahead_") for d in needs):  # an SSD drafter where multi-token heads belong
         raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not multi-token heads: decode with it "
                          f"as decoding=ssd, or give decoding=mtp1d an MTP folder (checkpoints/mtp_shapes; "
-                         f"python -m specgen.train experiment=mtp_shapes)")
+                         f"python -m specgen.train experiment=train/mtp_shapes)")
     raise ValueError(f"this decoder drafts {list(needs)} but the drafter predicts only {list(have)}: "
                      f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
 

@@ -27,7 +27,7 @@ def load_clip(model_name: str = "shapes-clip", checkpoint: str | None = None, de
         open_clip.add_model_config(CONFIG_DIR)
     if checkpoint is not None and not Path(checkpoint).is_file():
         raise FileNotFoundError(f"CLIP checkpoint {checkpoint!r} not found: train the embedded one with "
-                                f"`python -m specgen.train experiment=clip_shapes`, or give a local open_clip file")
+                                f"`python -m specgen.train experiment=train/clip_shapes`, or give a local open_clip file")
     model, _, preprocess = open_clip.create_model_and_transforms(model_name, pretrained=checkpoint, device=device)
     return model.eval(), preprocess, open_clip.get_tokenizer(model_name)
 

@@ -88,7 +88,7 @@ def fidelity(images: list[np.ndarray], reference: list[np.ndarray], extractor_di
     path = extractor_dir or inception_weights
     if not Path(path).exists():
         raise FileNotFoundError(f"feature extractor weights {path!r} not found: train the shapes feature net with "
-                                f"`python -m specgen.train experiment=featnet_shapes`, or give an existing file")
+                                f"`python -m specgen.train experiment=train/featnet_shapes`, or give an existing file")
     n = min(len(images), len(reference))
     if n < 2:
         raise ValueError(f"FID needs at least 2 images per set, got {len(images)} and {len(reference)}")

@@ -226,7 +226,7 @@ def speed_figures(cfg: DictConfig, metrics: dict[str, float], names: list[str], 
 
 def swept_settings(cfg: DictConfig) -> dict[str, dict[str, float]]:
     """Numeric decoding settings that a run's strategies sweep: {setting: {strategy: value}} for every setting on
-    which three or more strategies differ while agreeing on everything else (e.g. `experiment=ssd_rounds`)."""
+    which three or more strategies differ while agreeing on everything else (e.g. `experiment=ablation/ssd_rounds`)."""
     flat = {s.name: _flatten(OmegaConf.to_container(s.fn, resolve=True)) for s in cfg.strategies.values()}
     out = {}
     for key in {k for f in flat.values() for k in f}:

@@ -1,5 +1,5 @@
 """The targets a side-by-side speed run checks after its table (`targets:` in an experiment config, e.g.
-`experiment=discrete_speed`): one strategy against the run's reference (its first strategy), each target with the
+`experiment=eval/discrete_speed`): one strategy against the run's reference (its first strategy), each target with the
 measured value, its goal, its floor and a verdict:
 
 - `met`: at or past the goal; `floor`: short of the goal, at or past the floor; `missed`: short of the floor;

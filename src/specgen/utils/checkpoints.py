@@ -23,14 +23,16 @@ from specgen.utils.locations import repo_root
 
 REPO_ROOT = repo_root()  # the clone (or $SPECGEN_ROOT): where shipped checkpoints are named from
 # The experiment that exports each shipped folder (its `export_name`), for error messages.
-PRODUCERS = {"vq_shapes": "vq_shapes", "kl_shapes": "kl_shapes", "ar_shapes": "ar_shapes_train",
-             "ar_shapes_draft": "ar_shapes_draft_train", "fphi_shapes": "fphi_shapes", "fphi_accept": "fphi_accept",
-             "fphi_accept16": "fphi_accept16", "fphi_gpu": "fphi_gpu",
-             "fphi_tokens_shapes": "fphi_tokens_shapes", "mtp_shapes": "mtp_shapes", "featnet_shapes": "featnet_shapes",
-             "clip_shapes": "clip_shapes", "mar_shapes": "mar_shapes_train", "mar_shapes_draft": "mar_draft_train",
-             "mar_p2_shapes": "mar_shapes_cpu_train", "mar_p2_shapes_draft": "mar_draft_cpu_train",
-             "mar_p2_shapes_draft_q": "mar_draft_q_cpu_train", "ar_shapes32": "ar_shapes32_train",
-             "fphi_shapes32": "fphi_shapes32", "ar_shapes24": "ar_shapes24_train", "fphi_shapes24": "fphi_shapes24"}
+PRODUCERS = {"vq_shapes": "train/vq_shapes", "kl_shapes": "train/kl_shapes", "ar_shapes": "train/ar_shapes",
+             "ar_shapes_draft": "train/ar_shapes_draft", "fphi_shapes": "train/fphi_shapes",
+             "fphi_accept": "train/fphi_accept", "fphi_accept16": "train/fphi_accept16",
+             "fphi_gpu": "train/fphi_gpu", "fphi_tokens_shapes": "train/fphi_tokens_shapes",
+             "mtp_shapes": "train/mtp_shapes", "featnet_shapes": "train/featnet_shapes",
+             "clip_shapes": "train/clip_shapes", "mar_shapes": "train/mar_shapes",
+             "mar_shapes_draft": "train/mar_draft", "mar_p2_shapes": "train/mar_shapes_cpu",
+             "mar_p2_shapes_draft": "train/mar_draft_cpu", "mar_p2_shapes_draft_q": "train/mar_draft_q_cpu",
+             "ar_shapes32": "train/ar_shapes32", "fphi_shapes32": "train/fphi_shapes32",
+             "ar_shapes24": "train/ar_shapes24", "fphi_shapes24": "train/fphi_shapes24"}
 # Shipped folders whose weights file is a link to another shipped folder's: the same network under another config
 # (vq_shapes128, vq_shapes96: the factor-4 VQ at 128 and 96 px, 32x32 and 24x24 grids; a convolutional tokenizer
 # takes any multiple of its factor).
@@ -203,7 +205,7 @@ def load_exported(dirpath: str | Path, map_location: str | torch.device = "cpu")
     """Build the module from `dirpath/config.yaml` and load its weights (in eval mode)."""
     if dirpath is None:
         raise ValueError("no exported model folder given (dirpath is null): set it in the config, e.g. "
-                         "drafter_dir=<fphi_real run>/export for experiment=real_discrete")
+                         "drafter_dir=<fphi_real run>/export for experiment=eval/real_discrete")
     dirpath = Path(dirpath)
     hint = reproduce_hint(dirpath)
     if not (dirpath / "model.safetensors").is_file() or not (dirpath / "config.yaml").is_file():
