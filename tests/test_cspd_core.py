@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specgen.decoding.cspd_core import (accept, aligned_log_ratio, chain_logprob, evaluate_on, exact_log_ratio,
+from specgen.decoding.cspd_core import (Trajectory, accept, chain_logprob, evaluate_on, exact_log_ratio,
                                         gaussian_residual, normaliser_log_ratio, paper_log_ratio, residual_sample,
                                         run_chain)
 
@@ -49,7 +49,8 @@ def test_draft_equal_to_target_has_ratio_one_under_every_ratio():
     step = linear_step(0.3, 0.7, 0.1, last_deterministic=True)
     q, p = _chains(step, step, 500, K=4, d=3)
     exact, final = exact_log_ratio(q, step)
-    ratios = {"exact": exact, "aligned": aligned_log_ratio(q, p), "paper": paper_log_ratio(q, p, 0.05, 1.0)}
+    ratios = {"exact": exact, "paper": paper_log_ratio(q, p, 0.05, 1.0),
+              "paper_derivation": paper_log_ratio(q, p, 0.05, 1.0, "derivation")}
     for name, logr in ratios.items():
         assert float(logr.abs().max()) < 1e-5, name
         assert accept(logr, torch.rand(500)).all(), name
@@ -79,15 +80,48 @@ def test_paper_ratio_equals_the_formula_evaluated_by_brute_force():
     for T, sigma_f in ((1.0, 0.1), (5.0, 0.03)):
         q, p = _chains(target, draft, 400, K=6, d=2, seed=1)
         ref = _brute_force_paper(q, p, target, draft, sigma_f, T)
-        got = paper_log_ratio(q, p, sigma_f, T)
+        got = paper_log_ratio(q, p, sigma_f, T, normaliser="derivation")
         assert torch.allclose(got.double(), ref, atol=1e-4)
-        assert abs(float(normaliser_log_ratio(q, p).mean()) - 5 * 2 * 0.5 * math.log(0.26 / 0.2)) < 1e-4
+        n_derivation = float(normaliser_log_ratio(q, p, "derivation").mean())
+        assert abs(n_derivation - 5 * 2 * 0.5 * math.log(0.26 / 0.2)) < 1e-4
+        assert float(normaliser_log_ratio(q, p, "authors").mean()) == pytest.approx(-n_derivation)
         qi, pi = _chains(target, draft, 400, K=6, d=2, seed=1, shared=False)
         exponents = sum(0.5 * (qi.states[k + 1] - qi.means[k]).pow(2).sum(-1) / 0.26
                         - 0.5 * (pi.states[k + 1] - pi.means[k]).pow(2).sum(-1) / 0.2 for k in range(5))
         brute = _brute_force_paper(qi, pi, target, draft, sigma_f, T)
-        assert torch.allclose(paper_log_ratio(qi, pi, sigma_f, T).double(), brute - exponents.double(), atol=1e-4)
+        got = paper_log_ratio(qi, pi, sigma_f, T, normaliser="derivation").double()
+        assert torch.allclose(got, brute - exponents.double(), atol=1e-4)
         assert float(exponents.abs().mean()) > 1.0  # the dropped terms are not small
+
+
+def test_paper_ratio_equals_the_authors_formula_computed_by_hand():
+    """Two tokens of dim 2, a 3-step chain (2 stochastic steps, the last deterministic) with every sigma written
+    down: the authors' judge_accept is p_unnorm(x) * fixed_term * prod(std_q) / (q_unnorm(x) * prod(std_p)) with
+    fixed_term = prod over steps and dims of sigma_p / sigma_q, x the draft's token (its own Gaussian is 1 there)
+    and the last-step widths T sigma_f (one width for both models: prod(std_q) / prod(std_p) = 1)."""
+    sq = torch.tensor([[[0.5, 0.4], [0.3, 0.2]], [[0.6, 0.6], [0.25, 0.1]]])  # (token, step, dim) draft sigmas
+    sp = torch.tensor([[[0.45, 0.5], [0.3, 0.1]], [[0.7, 0.5], [0.2, 0.2]]])  # target sigmas
+    x_q = torch.tensor([[0.30, -0.10], [1.00, 0.20]])  # drafted tokens
+    x_p = torch.tensor([[0.32, -0.16], [0.90, 0.25]])  # the target's aligned end points
+    zero, T, sigma_f = torch.zeros(2, 2), 42.0, 0.006
+
+    def chain(sig, end):  # states and means do not enter the paper ratio; the last step has variance 0
+        return Trajectory([zero, zero, zero, end], [zero] * 3, [sig[:, 0] ** 2, sig[:, 1] ** 2, zero])
+
+    by_hand = []
+    for n in range(2):
+        fixed_term = math.prod(float(sp[n, k, d] / sq[n, k, d]) for k in range(2) for d in range(2))
+        gap2 = sum(float(x_q[n, d] - x_p[n, d]) ** 2 for d in range(2))
+        by_hand.append(math.log(fixed_term) - gap2 / (2 * (T * sigma_f) ** 2))
+    got = paper_log_ratio(chain(sq, x_q), chain(sp, x_p), sigma_f, T)
+    assert got.tolist() == pytest.approx(by_hand, rel=1e-5)
+    assert by_hand[0] == pytest.approx(math.log(0.45 / 0.5 * 0.5 / 0.4 * 1.0 * 0.5) - 0.004 / (2 * 0.252 ** 2))
+    derivation = paper_log_ratio(chain(sq, x_q), chain(sp, x_p), sigma_f, T, normaliser="derivation")
+    gap_terms = [h - math.log(math.prod(float(sp[n, k, d] / sq[n, k, d]) for k in range(2) for d in range(2)))
+                 for n, h in enumerate(by_hand)]
+    assert derivation.tolist() == pytest.approx([g - (h - g) for g, h in zip(gap_terms, by_hand)], rel=1e-5)
+    with pytest.raises(ValueError, match="unknown normaliser 'flipped'"):
+        normaliser_log_ratio(chain(sq, x_q), chain(sp, x_p), "flipped")
 
 
 def test_shared_noise_gives_a_higher_ratio_than_independent_noise():
@@ -98,8 +132,6 @@ def test_shared_noise_gives_a_higher_ratio_than_independent_noise():
     alpha = lambda a, b: float(paper_log_ratio(a, b, 0.1, 2.0).clamp_max(0).exp().mean())
     shared, independent = alpha(q, p), alpha(qi, pi)
     assert shared > 0.7 and independent < 0.5 * shared, (shared, independent)
-    # the earlier 'aligned' reading gives the same ordering, far lower values
-    assert float(aligned_log_ratio(q, p).mean()) > float(aligned_log_ratio(qi, pi).mean())
 
 
 def _residual_cdf(x, mu_p, mu_q, s, c):

@@ -73,10 +73,14 @@ def test_linear_cfg_schedule_counts_the_tokens_known_after_the_step():
 
 
 def test_prefill_counts_generation_steps():
-    assert [cspd.prefill_steps(r, 16) for r in (0.0, 0.05, 0.15, 0.25, 1.0)] == [0, 1, 3, 4, 16]
+    """The authors' rule pre-fills steps 0 .. floor(ratio x num_iter) (`step <= num_iter * ratio`: ratio 0 still
+    pre-fills step 0); 'ceil' the smallest count that is at least the ratio."""
+    assert [cspd.prefill_steps(r, 16) for r in (0.0, 0.05, 0.15, 0.25, 1.0)] == [1, 1, 3, 5, 16]
+    assert [cspd.prefill_steps(r, 64) for r in (0.0, 0.05, 0.15)] == [1, 4, 10]  # 0.05 x 64 = 3.2: steps 0-3
+    assert [cspd.prefill_steps(r, 16, "ceil") for r in (0.0, 0.05, 0.15, 0.25, 1.0)] == [0, 1, 3, 4, 16]
     m, d = _tiny_mar(0), _tiny_mar(1)
     sched = mar.schedule(16, 4)
-    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, prefill_ratio=0.5, gamma=1)
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, prefill_ratio=0.5, gamma=1, prefill_rule="ceil")
     assert st["prefill_steps"] == 2 and st["drafted"] == 2 * (16 - sched[1]) and st["rounds"] == 2
     ref, _ = mar.generate(m, PROMPTS, make_rngs([3, 4]), num_iter=4)
     out, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, prefill_ratio=1.0)
@@ -85,8 +89,9 @@ def test_prefill_counts_generation_steps():
 
 def test_draft_equal_to_target_accepts_everything_under_stepwise_verification():
     m = _tiny_mar(0)
-    for ratio in ("paper", "exact", "aligned"):
-        opts = {"inner_temperature": 1.0} if ratio == "paper" else {}
+    for ratio in ("paper", "exact"):
+        opts = dict(rounds="fixed", prefill_rule="ceil", verify_cfg="own_step",
+                    **({"inner_temperature": 1.0} if ratio == "paper" else {}))
         _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), m, num_iter=4, gamma=3, ratio=ratio,
                               prefill_ratio=0.0, verify="stepwise", **opts)
         assert st["accept_rate"] == 1.0 and st["drafted"] == 32 and st["target_sets"] == 4, ratio
@@ -106,7 +111,7 @@ def test_acceptance_is_counted_per_image_and_generation_step():
     d = _near(m, 0.03)
     sched = mar.schedule(16, 4)
     _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=2, prefill_ratio=0.25,
-                          inner_temperature=1e4)
+                          inner_temperature=1e4, prefill_rule="ceil")
     drafted, accepted = st["step_drafted"], st["step_accepted"]
     assert drafted.shape == (2, 4) and float(drafted.sum()) == st["drafted"] and float(accepted.sum()) == st["accepted"]
     assert drafted[:, 0].sum() == 0 and bool((accepted <= drafted).all())
@@ -123,7 +128,7 @@ def test_accepted_tokens_keep_the_drafts_value():
     m, d = _tiny_mar(0), _tiny_mar(1)
     draft_only, _ = mar.generate(d, PROMPTS, make_rngs([5, 6]), num_iter=4)
     out, st = cspd.generate(m, PROMPTS, make_rngs([5, 6]), d, num_iter=4, gamma=4, prefill_ratio=0.0,
-                            density_temperature=1e9)
+                            density_temperature=1e9, prefill_rule="ceil")
     assert st["accept_rate"] == 1.0 and torch.allclose(out, draft_only, atol=1e-6)
 
 
@@ -132,14 +137,15 @@ def test_work_is_counted_against_target_only_sampling():
     drafted token and step (as sampling does) and its residual needs no head call."""
     m = _tiny_mar(0)
     d = _near(m, 0.03)
+    rules = dict(rounds="fixed", prefill_rule="ceil")
     _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
-                          inner_temperature=1e4)  # the 5-step chain's last-step Gaussian is narrow: widen it
+                          inner_temperature=1e4, **rules)  # the 5-step chain's last-step Gaussian is narrow: widen it
     assert st["target_sets"] == 2 and st["target_work_ratio"] == 2.0 and st["target_calls"] == 2
     assert st["target_head_evals"] == 16 * 5 * 2 and st["target_head_ratio"] == 1.0
     assert st["draft_sets"] == 4 and st["draft_work_frac"] == 1.0 and st["draft_head_frac"] == 1.0
     assert 0 < st["accept_rate"] < 1 and st["proposals"] > 0
     _, ex = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=4, gamma=3, prefill_ratio=0.0,
-                          ratio="exact", verify="stepwise", max_proposals=2)
+                          ratio="exact", verify="stepwise", max_proposals=2, **rules)
     assert ex["target_sets"] == 4 and ex["target_work_ratio"] == 1.0
     # per image: the stochastic steps evaluated on the draft's states and the deterministic last step run by
     # the target (16 x 5 x 2), plus a fresh 5-step target chain for every residual proposal (2 images)
@@ -175,7 +181,7 @@ def test_ddim_tail_changes_the_sampler_for_both_models():
     b, st = mar.generate(m, PROMPTS, make_rngs([1, 2]), num_iter=4, ddim_tail=3)
     assert not torch.allclose(a, b, atol=1e-3) and st["target_head_evals"] == 16 * 5 * 2
     out, cs = cspd.generate(m, PROMPTS, make_rngs([1, 2]), m, num_iter=4, ddim_tail=3, ratio="exact",
-                            verify="stepwise", prefill_ratio=0.0)
+                            verify="stepwise", prefill_ratio=0.0, prefill_rule="ceil")
     # the same draws; the chains run in other batch shapes, which AVX-512 kernels round differently (2.3e-5 on
     # values up to 10)
     assert cs["accept_rate"] == 1.0 and torch.allclose(out, b, atol=1e-4)
@@ -192,8 +198,14 @@ def test_cspd_bad_inputs():
         cspd.generate(m, ["a circle"], g, m, verify="once")
     with pytest.raises(ValueError, match="unknown ratio 'fast'"):
         cspd.generate(m, ["a circle"], g, m, ratio="fast")
-    with pytest.raises(ValueError, match="inner_temperature=5.0 .* belong to ratio='paper', got ratio='exact'"):
+    with pytest.raises(ValueError, match="inner_temperature=5.0, .* belong to ratio='paper', got ratio='exact'"):
         cspd.generate(m, ["a circle"], g, m, ratio="exact", inner_temperature=5.0)
+    with pytest.raises(ValueError, match="normaliser=authors belong to ratio='paper'"):
+        cspd.generate(m, ["a circle"], g, m, ratio="exact", normaliser="authors")
+    for name, bad in (("rounds", "every"), ("prefill_rule", "floor"), ("verify_cfg", "first"), ("normaliser", "up"),
+                      ("fallback", "none"), ("ratio", "aligned")):
+        with pytest.raises(ValueError, match=f"unknown {name if name != 'fallback' else 'fallback'} '{bad}'"):
+            cspd.generate(m, ["a circle"], g, m, **{name: bad})
     with pytest.raises(ValueError, match="ddim_tail=5 must be below the head's 5 sampling steps"):
         cspd.generate(m, ["a circle"], g, m, ddim_tail=5)
     other = ShapesMAR(grid_size=4, token_dim=5, preset="tiny", sample_steps=5)
@@ -219,3 +231,53 @@ def test_head_chain_evaluated_in_one_call_equals_step_by_step():
             assert all(torch.allclose(a, b, atol=1e-8) for a, b in zip(vars_, ref_vars))
         assert float(vars_[-1].abs().max()) == 0 and float(vars_[0].min()) > 0
         assert tr.stochastic_steps() == m.diffusion.sample_steps - 1 - tail
+
+
+def test_rounds_end_where_the_authors_verify():
+    """Theirs: verify after drafted step s when s % num_draft == 0 (s != 0) or s is the last step; 'fixed': gamma
+    steps from the first drafted step. 64 steps, 4 pre-filled: gamma 2 gives [4], [5, 6], ..., [63]: 31 rounds."""
+    def rounds(first, gamma, n, rule):
+        out = []
+        while first < n:
+            end = cspd.round_end(first, gamma, n, rule)
+            out.append(list(range(first, end + 1)))
+            first = end + 1
+        return out
+    assert rounds(4, 4, 64, "authors")[:3] == [[4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    assert rounds(4, 4, 64, "authors")[-1] == [61, 62, 63] and len(rounds(4, 2, 64, "authors")) == 31
+    assert rounds(0, 3, 7, "authors") == [[0, 1, 2, 3], [4, 5, 6]]  # step 0 never ends a round
+    assert rounds(4, 2, 64, "fixed")[:2] == [[4, 5], [6, 7]] and len(rounds(4, 2, 64, "fixed")) == 30
+    m = _tiny_mar(0)
+    d = _near(m, 0.03)
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=16, gamma=4, prefill_ratio=0.05)
+    assert st["prefill_steps"] == 1 and st["rounds"] == 4 and st["target_sets"] == 5  # [1-4] [5-8] [9-12] [13-15]
+    _, st = cspd.generate(m, PROMPTS, make_rngs([3, 4]), d, num_iter=16, gamma=4, prefill_ratio=0.05, rounds="fixed")
+    assert st["rounds"] == 4 and st["target_sets"] == 5  # [1-4] ... [13-15] too: 1 + 4 x 4 = 17 > 16
+
+
+def test_verification_guides_every_drafted_token_at_the_rounds_last_scale():
+    """The authors' `cfg_iter` in verification comes from the round's last `mask_len`: one scale for the round;
+    'own_step' keeps each drafted step's own scale (MAR's linear schedule: rising along the round)."""
+    m = _tiny_mar(0)
+    s = cspd.start(m, _near(m, 0.03), PROMPTS, make_rngs([0, 1]), 4, 3.0, "linear")
+    sched = s.st.schedule
+    drafted, d_tokens = cspd.draft_steps(s, sched[:3])
+    own = cspd.target_view(s, drafted, d_tokens, stepwise=True)[2]
+    last = cspd.target_view(s, drafted, d_tokens, stepwise=True, round_cfg=True)[2]
+    per_step = torch.cat([torch.full((len(d.idx[0]),), float(d.z[2])) for d in drafted])
+    assert torch.equal(own, per_step) and len(set(own.tolist())) == 3
+    assert bool((last == mar.cfg_at(3.0, "linear", sched[2], 16)).all())
+
+
+def test_in_round_context_follows_the_target_at_its_full_step_count():
+    """With the target as its own draft, stepwise verification (each drafted step conditioned on the round's
+    earlier drafted steps, all in one call per round) returns target-only sampling at the full step count, in
+    one target call per round; joint verification does not (its later steps are judged without them)."""
+    m = _tiny_mar(0)
+    ref, _ = mar.generate(m, PROMPTS, make_rngs([7, 8]), num_iter=8)
+    opts = dict(num_iter=8, gamma=4, prefill_ratio=0.0, inner_temperature=42.0, verify_cfg="own_step")
+    out, st = cspd.generate(m, PROMPTS, make_rngs([7, 8]), m, verify="stepwise", **opts)
+    assert st["accept_rate"] == 1.0 and torch.allclose(out, ref, atol=1e-5)
+    assert st["target_calls"] == 1 + st["rounds"] == 1 + 2 and st["target_sets"] == 8  # rounds [1-4] [5-7]
+    joint, js = cspd.generate(m, PROMPTS, make_rngs([7, 8]), m, verify="joint", **opts)
+    assert js["target_sets"] == 3 and js["accept_rate"] < 1.0 and not torch.allclose(joint, ref, atol=1e-3)

@@ -132,7 +132,7 @@ def test_continuous_backbone_and_cspd_through_the_entry_point(tmp_path, tiny_exp
     base = [f"generator.backbone_dir={tiny_exports / 'mar'}", f"generator.tokenizer_dir={tiny_exports / 'kl'}",
             "decoding.fn.num_iter=4"]
     m = run_eval(_eval_cfg(tmp_path, tiny_exports, ["decoding=mar", *base]))
-    assert "target/geneval/overall" in m and m["target/speed/nfe"] == 4
+    assert "mar/geneval/overall" in m and m["mar/speed/nfe"] == 4  # a strategy is named as its config
     c = run_eval(_eval_cfg(tmp_path / "c", tiny_exports, ["decoding=cspd", *base, "decoding.fn.gamma=2",
                                                           f"decoding.fn.draft.dirpath={tiny_exports / 'mar'}"]))
     assert c["cspd/speed/accept_rate"] == 1.0  # draft = target: everything accepted
@@ -325,35 +325,36 @@ def test_continuous_speed_benchmark_keys(tmp_path, tiny_exports):
     from specgen.eval import evaluate as run_eval
 
     root = Path(__file__).resolve().parents[1] / "checkpoints"
-    cspds = ("cspd", "cspd_noalign", "cspd_g4", "cspd_g4_noalign", "cspd_g4_t10", "cspd_g4_t10_noalign", "cspd_g4_t42",
-             "cspd_g4_t42_noalign")
+    cspds = ("cspd", "cspd_noalign", "cspd_derivation", "cspd_g2", "cspd_g8", "cspd_inround", "cspd_inround_g8")
+    targets = ("mar", "mar32", "mar21", "mar16", "mar12")
     cfg = compose_cfg("eval", ["experiment=eval/continuous_speed", f"generator.backbone_dir={tiny_exports / 'mar'}",
-                               f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark.geneval.prompts_per_task=1",
+                               f"generator.tokenizer_dir={tiny_exports / 'kl'}", "benchmark=geneval_fid_shapes",
+                               "benchmark.geneval.prompts_per_task=1",
                                "benchmark.geneval.samples_per_prompt=1", "benchmark.geneval.images_per_task=null",
                                "benchmark.fidelity.num_prompts=4",
                                f"benchmark.fidelity.extractor_dir={root / 'featnet_shapes'}",
                                "speed.num_prompts=2", "speed.batch_sizes=[1,2]",
                                "logger=csv",
-                               *[f"strategies.{s}.fn.num_iter=2" for s in ("target", "target32", "target16", *cspds)],
+                               *[f"strategies.{s}.fn.num_iter=2" for s in (*targets, *cspds)],
                                *[f"strategies.{s}.fn.draft.dirpath={tiny_exports / 'mar'}" for s in cspds]],
                       tmp_path)
     m = run_eval(cfg)
-    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_g4_t42/accept_rate", "cspd/speed/wall_ratio",
-                "cspd/speed/wall_ratio_bs1", "target/geneval/overall", "cspd/geneval/overall",
+    for key in ("cspd/accept_rate", "cspd_noalign/accept_rate", "cspd_inround/accept_rate", "cspd/speed/wall_ratio",
+                "cspd/speed/wall_ratio_bs1", "mar/geneval/overall", "cspd/geneval/overall",
                 "cspd/geneval/overall_ci95", "cspd/geneval/overall_diff", "cspd/geneval/overall_diff_ci95",
-                "cspd_g4_t42/fidelity/fid", "target/fidelity/fid", "target16/geneval/overall",
-                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_g4_t10_noalign/accept_rate",
-                "target/fidelity/fid_ci95", "cspd/fidelity/fid_diff", "cspd/fidelity/fid_diff_ci95"):
+                "cspd_g8/fidelity/fid", "mar/fidelity/fid", "mar16/geneval/overall",
+                "cspd/speed/target_work_ratio", "cspd/alpha_by_step/s01", "cspd_inround_g8/accept_rate",
+                "mar/fidelity/fid_ci95", "cspd/fidelity/fid_diff", "cspd/fidelity/fid_diff_ci95"):
         assert key in m, key
-    assert m["target/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
-    assert "target/geneval/overall_diff" not in m and "target/fidelity/fid_diff" not in m  # nothing to itself
-    for name in ("cspd", "target16"):  # the same features as torch-fidelity's FID
-        assert m[f"{name}/fidelity/fid_diff"] == pytest.approx(m[f"{name}/fidelity/fid"] - m["target/fidelity/fid"],
+    assert m["mar/speed/wall_ratio"] == 1.0 and (tmp_path / "out" / "alpha_steps.png").is_file()
+    assert "mar/geneval/overall_diff" not in m and "mar/fidelity/fid_diff" not in m  # nothing to itself
+    for name in ("cspd", "mar16"):  # the same features as torch-fidelity's FID
+        assert m[f"{name}/fidelity/fid_diff"] == pytest.approx(m[f"{name}/fidelity/fid"] - m["mar/fidelity/fid"],
                                                                rel=1e-3, abs=1e-3)
     # every image paired: the paired difference is the difference of the two overall scores
-    assert m["cspd/geneval/overall_diff"] == pytest.approx(m["cspd/geneval/overall"] - m["target/geneval/overall"])
+    assert m["cspd/geneval/overall_diff"] == pytest.approx(m["cspd/geneval/overall"] - m["mar/geneval/overall"])
     # the tiny draft is the target itself: on aligned chains the paper's ratio is 1, so nothing is rejected
-    assert m["cspd/accept_rate"] == 1.0 and m["cspd_g4_t42/accept_rate"] == 1.0
+    assert m["cspd/accept_rate"] == 1.0 and m["cspd_inround_g8/accept_rate"] == 1.0
     assert m["cspd_noalign/accept_rate"] < 1.0  # the target's chain with other noise ends elsewhere
 
 

@@ -136,9 +136,10 @@ def test_the_target_as_its_own_draft_accepts_everything_and_gives_target_only_sa
     assert ref.shape == (2, 4, 12) and st["nfe"] == 4 and st["target_head_evals"] == 5 + 3 * 5 * 2  # no CFG on cell 0
     scales = [mar.cfg_at(2.2, "linear_steps", k, 4, [1, 2, 3, 4]) for k in (1, 2, 3, 4)]  # the release's per cell
     assert scales == pytest.approx([1.0, 1.4, 1.8, 2.2])
-    for ratio in ("paper", "exact", "aligned"):
+    for ratio in ("paper", "exact"):
         out, st = cspd.generate(m, ids, make_rngs([0, 1]), m, gamma=2, prefill_ratio=0.0, ratio=ratio,
-                                verify="stepwise", inner_temperature=1.0 if ratio == "paper" else None, **opts)
+                                verify="stepwise", inner_temperature=1.0 if ratio == "paper" else None,
+                                prefill_rule="ceil", verify_cfg="own_step", **opts)
         assert st["accept_rate"] == 1.0 and st["drafted"] == 2 * 4, ratio
         assert torch.allclose(out, ref, atol=1e-5), ratio
     with pytest.raises(ValueError, match="use verify='stepwise'"):  # joint: cell 2 would lack drafted cell 1

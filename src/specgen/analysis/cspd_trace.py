@@ -9,7 +9,8 @@ target sees exactly the draft's context. For every drafted token it splits
 * the earlier 'aligned' reading the same way, with mu_p at the target's own aligned state,
 * the paper's ratio into its per-step normalisers sum_d log(sigma^q / sigma^p) (target chain aligned, or with
   independent noise) and its last-step term -|x^q_0 - x^p_0|^2 / (2 T^2 sigma_f^2), reported as the expected
-  acceptance E min(1, r) at each inner temperature T asked for, with and without alignment;
+  acceptance E min(1, r) at each inner temperature T asked for, with and without alignment, with the normalisers
+  signed as the authors' code does (`paper`, minus the sum above) and as the densities do (`paper_derivation`);
 
 per band of sampling steps, with the step's noise scale sigma and the standardised mean gaps |mu_p - mu_q| / sigma.
 
@@ -97,11 +98,12 @@ def summary(res: dict, inner_temperatures=(5.0, 42.0)) -> dict:
     for r in ("aligned", "exact"):
         out[f"{r}/median_logr"] = float(res[r].sum(1).median())
         out[f"{r}/accept"] = alpha(res[r].sum(1))
-    for T in inner_temperatures:
+    for T in inner_temperatures:  # the normalisers as the authors' code signs them (paper) and as the densities do
         width2 = (T * res["final_std"]) ** 2
         for name, norm, gap2 in (("paper", "norm_aligned", "end_gap2_aligned"),
                                  ("paper_noalign", "norm_indep", "end_gap2_indep")):
-            out[f"{name}/T{T:g}/accept"] = alpha(res[norm].sum(1) - 0.5 * res[gap2] / width2)
+            out[f"{name}/T{T:g}/accept"] = alpha(-res[norm].sum(1) - 0.5 * res[gap2] / width2)
+            out[f"{name}_derivation/T{T:g}/accept"] = alpha(res[norm].sum(1) - 0.5 * res[gap2] / width2)
     return out
 
 

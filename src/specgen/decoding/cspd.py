@@ -1,29 +1,39 @@
 """Continuous speculative decoding (CSpD) for continuous-token backbones whose per-token head samples by
 Gaussian transitions (`backbones.continuous.ContinuousBackbone`: MAR, xAR, Harmon, the embedded MAR). A "MAR
-step" below is one generation step of the backbone's plan (xAR: one next-X unit).
+step" below is one generation step of the backbone's plan (xAR: one next-X unit). The defaults are the authors'
+code (MarkXCloud/CSpD, spec_decode/spec_decode_runner.py), term for term:
 
-  prefill  the target runs the first ceil(prefill_ratio x num_iter) MAR steps alone (the paper's
-           pre-filling counts generation steps; 5% of 256 in the authors' demo);
-  draft    the draft model runs `gamma` MAR steps on its own, each token with its own noise;
-  verify   ONE target transformer call gives the conditions of every drafted token of the round:
-           `verify="joint"` (the paper's, as in the authors' code): one condition set, the tokens known
-           before drafting; `verify="stepwise"`: step j's tokens are conditioned on what the draft saw
-           (known set plus drafted steps < j): gamma condition sets padded into one call, so the target's
-           transformer work equals target-only sampling's. The target's head then runs its own chain for all
-           the round's drafted tokens at once (ratios 'paper', 'aligned') or is evaluated on the draft's
-           chains (ratio 'exact');
-  accept   per token by the trajectory ratio (`cspd_core`), `acceptance`='per_token' (the paper's: every
-           drafted token judged on its own and committed) or 'prefix' (the drafted steps up to the first
-           step with a rejection anywhere in the batch, that step kept with its rejected tokens corrected,
-           later steps discarded: the batch stays in lockstep). An accepted token keeps the draft's value
-           (ratio 'exact': the target's deterministic tail from the draft's last stochastic state);
-  correct  a rejected token is redrawn from the residual: analytically from the end-of-chain Gaussians
-           (ratio 'paper'), or by acceptance-rejection with fresh target chains (the others).
+  1 prefill  the target runs generation steps 0 .. floor(prefill_ratio x num_iter) alone (theirs: `step <=
+             num_iter * ratio`, so ratio 0 still pre-fills step 0; 5% in their demo);
+  2 draft    the draft runs MAR steps on its own, each token with its own noise, until a verification step:
+             a step s with s % gamma == 0 (s != 0) or the last step (theirs: `num_draft`, 4 in their demo);
+  3 verify   ONE target transformer call gives the conditions of every drafted token of the round: joint (theirs:
+             the tokens known before the round, every drafted token masked), guided at the scale of the round's
+             last step; the target's head runs its own chain for the round's drafted tokens, from the drafts'
+             initial latents and per-step noise (alignment);
+  4 accept   per token by the trajectory ratio (`cspd_core`: their normaliser sign, last-step Gaussian widened by
+             the inner temperature 42); every token is committed, an accepted one keeps the draft's value;
+  5 correct  a rejected token is redrawn from the residual analytically from the end-of-chain Gaussians (up to
+             100 proposals); the draft goes on from the corrected tokens.
+
+Deliberate differences, each a named option (configs/decoding/cspd_*.yaml say which config uses which):
+  `prefill_rule="ceil"` the smallest step count that is at least prefill_ratio of them; `rounds="fixed"`: rounds
+  of `gamma` steps from the first drafted step; `verify_cfg="own_step"`: each drafted step verified at its own
+  guidance scale; `normaliser="derivation"` (cspd_core); `fallback="target"` (theirs leaves a zero token when the
+  residual's proposals all fail; the default here keeps the target's aligned token, counted in the stats);
+  `final_std`: theirs scores the last step with each model's own learned std at t = 0, here one width for both
+  (by default the schedule's clipped posterior std at step 0, within 3% of the learned ones on the shipped pair);
+  `verify="stepwise"` (beyond the paper: verification with in-round context): drafted step j's tokens are
+  conditioned on the known set plus the round's drafted steps < j, the gamma condition sets stacked into ONE
+  transformer call (a round still costs one target latency step; rows as target-only sampling);
+  `acceptance="prefix"`: the drafted steps up to the first step with a rejection anywhere in the batch, that step
+  kept with its rejected tokens corrected, later steps discarded; `ratio="exact"`: the target's transitions on the
+  draft's chains, the accepted token the target's deterministic tail; residual by fresh target chains.
 
 Exactness: tokens of one MAR step are conditionally independent given the step's context, so per-token
-judgement inside a step is exact. 'prefix' with `verify="stepwise"`, `ratio="exact"` and
-`density_temperature=1` samples the target's distribution (under the same sampler, `ddim_tail` included)
-up to counted residual fallbacks; every other setting is an approximation traded for acceptance.
+judgement inside a step is exact. 'prefix' with `verify="stepwise"`, `ratio="exact"`, each step's own guidance
+scale and `density_temperature=1` samples the target's distribution (under the same sampler, `ddim_tail`
+included) up to counted residual fallbacks; every other setting is an approximation traded for acceptance.
 prefill_ratio = 1 is target-only sampling, token for token. Stats count the work of both models and its
 ratio to target-only sampling (`mar.work_stats`); `nfe` is the target's condition sets per image.
 """
@@ -34,7 +44,7 @@ import math
 
 import torch
 
-from specgen.decoding.cspd_core import (RATIOS, Trajectory, accept, aligned_log_ratio, exact_log_ratio,
+from specgen.decoding.cspd_core import (FALLBACKS, NORMALISERS, RATIOS, Trajectory, accept, exact_log_ratio,
                                         gaussian_residual, normaliser_log_ratio, paper_log_ratio, residual_sample,
                                         run_chain, tempered)
 from specgen.backbones.continuous import check_pair
@@ -44,6 +54,9 @@ from specgen.utils.validate import expect_float, expect_int
 
 ACCEPTANCE = ("per_token", "prefix")
 VERIFY = ("joint", "stepwise")
+ROUNDS = ("authors", "fixed")
+PREFILL_RULES = ("authors", "ceil")
+VERIFY_CFG = ("round_last", "own_step")
 AUTHORS_INNER_TEMPERATURE = 42.0  # the authors' code (spec_decode_runner.py)
 
 
@@ -94,9 +107,20 @@ def start(target, draft, prompts: list[str], rngs, num_iter: int = 16, cfg_scale
                    num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
 
 
-def prefill_steps(prefill_ratio: float, num_iter: int) -> int:
-    """Generation steps the target runs alone: the smallest count that is at least prefill_ratio of them."""
+def prefill_steps(prefill_ratio: float, num_iter: int, rule: str = "authors") -> int:
+    """Generation steps the target runs alone: steps 0 .. floor(ratio x num_iter) (the authors': `step <= num_iter *
+    ratio`), or the smallest count that is at least prefill_ratio of them (`rule="ceil"`)."""
+    if rule == "authors":
+        return min(num_iter, math.floor(prefill_ratio * num_iter + 1e-9) + 1)
     return min(num_iter, math.ceil(prefill_ratio * num_iter - 1e-9))
+
+
+def round_end(first: int, gamma: int, num_iter: int, rule: str = "authors") -> int:
+    """The last step (inclusive) of a round whose first drafted step is `first`: the next step s >= first with
+    s % gamma == 0, s != 0, or the last step (the authors'), or `first + gamma - 1` (`rule="fixed"`)."""
+    if rule == "fixed":
+        return min(first + gamma - 1, num_iter - 1)
+    return next((s for s in range(first, num_iter) if s % gamma == 0 and s != 0), num_iter - 1)
 
 
 def prefill(s: Session, ends: list[int]) -> None:
@@ -117,9 +141,11 @@ def draft_steps(s: Session, ends: list[int]) -> tuple[list[Drafted], torch.Tenso
     return out, d_tokens
 
 
-def target_view(s: Session, drafted: list[Drafted], d_tokens: torch.Tensor, stepwise: bool):
+def target_view(s: Session, drafted: list[Drafted], d_tokens: torch.Tensor, stepwise: bool, round_cfg: bool = False):
     """The target's conditions (z_cond (N, D), z_uncond, scale (N,)) of the round's drafted tokens, stacked
-    in drafted order, from one transformer call: one condition set (joint) or one per drafted step."""
+    in drafted order, from one transformer call: one condition set (joint) or one per drafted step (stepwise:
+    the gamma prefixes of the round's context as a batch). `round_cfg`: every token at the guidance scale of the
+    round's last step (the authors'), else at its own step's."""
     st = s.st
     G = len(drafted)
     if not stepwise:
@@ -132,7 +158,8 @@ def target_view(s: Session, drafted: list[Drafted], d_tokens: torch.Tensor, step
         per_step = list(zip(zc.chunk(G), [None] * G if zu is None else zu.chunk(G)))
     z_c = torch.cat([c[d.idx] for (c, _), d in zip(per_step, drafted)])
     z_u = None if zu is None else torch.cat([u[d.idx] for (_, u), d in zip(per_step, drafted)])
-    scale = torch.cat([torch.full((len(d.idx[0]),), float(d.z[2]), device=st.dev) for d in drafted])
+    scale = lambda d: float(drafted[-1].z[2] if round_cfg else d.z[2])
+    scale = torch.cat([torch.full((len(d.idx[0]),), scale(d), device=st.dev) for d in drafted])
     return z_c, z_u, scale
 
 
@@ -157,98 +184,135 @@ def _rng(st: MARState, rows: torch.Tensor):
     return (lambda shape: draw(torch.rand, shape)), (lambda shape: draw(torch.randn, shape))
 
 
-def _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner_temperature, final_std, ddim_tail):
+@dataclasses.dataclass
+class Judge:
+    """How a round is verified, judged and corrected (the options of `generate`)."""
+    ratio: str = "paper"
+    align: bool = True
+    inner_temperature: float | None = None
+    final_std: float | None = None
+    normaliser: str | None = None
+    acceptance: str = "per_token"
+    verify: str = "joint"
+    verify_cfg: str | None = None
+    density_temperature: float = 1.0
+    max_proposals: int = 100
+    fallback: str = "target"
+
+    def resolve(self, target, temperature: float) -> "Judge":
+        """The ratio's own settings filled in: the paper ratio's width, temperature and normaliser; the guidance
+        scale of verification (paper: the round's last step, as the authors'; exact: each step's own, which the
+        lossless mode needs)."""
+        for name, value, options in (("ratio", self.ratio, RATIOS), ("acceptance", self.acceptance, ACCEPTANCE),
+                                     ("verify", self.verify, VERIFY), ("fallback", self.fallback, FALLBACKS),
+                                     ("verify_cfg", self.verify_cfg or VERIFY_CFG[0], VERIFY_CFG),
+                                     ("normaliser", self.normaliser or NORMALISERS[0], NORMALISERS)):
+            if value not in options:
+                raise ValueError(f"unknown {name} {value!r}: expected one of {options}")
+        paper_only = dict(inner_temperature=self.inner_temperature, final_std=self.final_std,
+                          normaliser=self.normaliser)
+        if self.ratio != "paper" and any(v is not None for v in paper_only.values()):
+            raise ValueError(f"{', '.join(f'{k}={v}' for k, v in paper_only.items())} belong to ratio='paper', got "
+                             f"ratio={self.ratio!r}: set them to null (density_temperature tempers the exact ratio)")
+        if self.inner_temperature is not None:
+            expect_float("inner_temperature", self.inner_temperature, 1e-6)
+        if self.final_std is not None:
+            expect_float("final_std", self.final_std, 1e-12)
+        expect_int("max_proposals", self.max_proposals, 1)
+        if self.ratio != "paper":
+            return dataclasses.replace(self, verify_cfg=self.verify_cfg or "own_step")
+        return dataclasses.replace(
+            self, final_std=self.final_std if self.final_std is not None else target.final_std() * temperature,
+            inner_temperature=self.inner_temperature or AUTHORS_INNER_TEMPERATURE,
+            normaliser=self.normaliser or "authors", verify_cfg=self.verify_cfg or "round_last")
+
+
+def _check(target, draft, prefill_ratio, gamma, ddim_tail, rounds, prefill_rule):
     expect_float("prefill_ratio", prefill_ratio, 0.0, 1.0)
     expect_int("gamma", gamma, 1)
     expect_int("ddim_tail", ddim_tail, 0)
-    for name, value, options in (("ratio", ratio, RATIOS), ("acceptance", acceptance, ACCEPTANCE),
-                                 ("verify", verify, VERIFY)):
+    for name, value, options in (("rounds", rounds, ROUNDS), ("prefill_rule", prefill_rule, PREFILL_RULES)):
         if value not in options:
             raise ValueError(f"unknown {name} {value!r}: expected one of {options}")
-    if ratio != "paper" and (inner_temperature is not None or final_std is not None):
-        raise ValueError(f"inner_temperature={inner_temperature} and final_std={final_std} belong to ratio='paper', "
-                         f"got ratio={ratio!r}: set them to null (density_temperature tempers the other ratios)")
-    if inner_temperature is not None:
-        expect_float("inner_temperature", inner_temperature, 1e-6)
-    if final_std is not None:
-        expect_float("final_std", final_std, 1e-12)
     if ddim_tail >= target.num_steps:
         raise ValueError(f"ddim_tail={ddim_tail} must be below the head's {target.num_steps} sampling steps")
     check_pair(target, draft)
 
 
 @torch.no_grad()
-def generate(target, prompts: list[str], rngs, draft, num_iter: int = 16, cfg_scale: float = 3.0,
+def generate(target, prompts: list[str], rngs, draft, num_iter: int = 64, cfg_scale: float = 3.0,
              cfg_schedule: str = "linear", temperature: float = 1.0, prefill_ratio: float = 0.05, gamma: int = 4,
-             ratio: str = "paper", align: bool = True, inner_temperature: float | None = None,
-             final_std: float | None = None, acceptance: str = "per_token", verify: str = "joint",
-             density_temperature: float = 1.0, max_proposals: int = 16, ddim_tail: int = 0):
+             rounds: str = "authors", prefill_rule: str = "authors", ratio: str = "paper", align: bool = True,
+             inner_temperature: float | None = None, final_std: float | None = None, normaliser: str | None = None,
+             acceptance: str = "per_token", verify: str = "joint", verify_cfg: str | None = None,
+             density_temperature: float = 1.0, max_proposals: int = 100, fallback: str = "target", ddim_tail: int = 0):
     """CSpD sampling: tokens (B, L, d) and stats (acceptance, residual proposals, both models' work).
 
-    `inner_temperature` and `final_std` (ratio 'paper' only; None: the authors' 42 and the schedule's
-    clipped posterior std at step 0 times the noise temperature) set the last-step Gaussian."""
-    _check(target, draft, prefill_ratio, gamma, ratio, acceptance, verify, inner_temperature, final_std, ddim_tail)
+    None for the paper ratio's `inner_temperature`, `final_std`, `normaliser`: the authors' 42, the schedule's
+    clipped posterior std at step 0 times the noise temperature, the authors' sign; for `verify_cfg`: the round's
+    last step's scale for the paper ratio (the authors'), each step's own for the exact ratio (`Judge.resolve`)."""
+    _check(target, draft, prefill_ratio, gamma, ddim_tail, rounds, prefill_rule)
+    j = Judge(ratio, align, inner_temperature, final_std, normaliser, acceptance, verify, verify_cfg,
+              density_temperature, max_proposals, fallback).resolve(target, temperature)
     s = start(target, draft, prompts, rngs, num_iter, cfg_scale, cfg_schedule, temperature, ddim_tail)
-    if ratio == "paper":
-        final_std = final_std if final_std is not None else target.final_std() * temperature
-        inner_temperature = inner_temperature if inner_temperature is not None else AUTHORS_INNER_TEMPERATURE
-    judge = dict(ratio=ratio, align=align, inner_temperature=inner_temperature, final_std=final_std,
-                 acceptance=acceptance, density_temperature=density_temperature, max_proposals=max_proposals)
     sched = s.st.schedule
     num_iter = len(sched)  # the backbone's plan may fix its own step count (xAR: one step per next-X unit)
-    si = prefill_steps(prefill_ratio, num_iter)
+    si = prefill_steps(prefill_ratio, num_iter, prefill_rule)
     prefill(s, sched[:si])
     stats = {"drafted": 0, "accepted": 0, "proposals": 0, "fallbacks": 0, "rounds": 0}
     by_step = torch.zeros(2, len(prompts), num_iter, device=s.st.dev)  # per image: drafted, accepted per MAR step
     while si < len(sched):
-        drafted, d_tokens = draft_steps(s, sched[si: si + gamma])
-        s.st.known = verify_round(s, drafted, d_tokens, verify == "stepwise", stats, **judge, first_step=si,
-                                  by_step=by_step)
+        drafted, d_tokens = draft_steps(s, sched[si: round_end(si, gamma, num_iter, rounds) + 1])
+        s.st.known = verify_round(s, drafted, d_tokens, j, stats, first_step=si, by_step=by_step)
         si = next((i for i, k in enumerate(sched) if k > s.st.known), len(sched))
         stats["rounds"] += 1
     work = work_stats(s.work_t, s.work_d, len(prompts), s.st.L, s.st.K, num_iter, cfg_scale)
     return s.st.tokens, {**stats, **work, "draft_calls": float(s.work_d.calls), "prefill_steps": prefill_steps(
-        prefill_ratio, num_iter), "accept_rate": stats["accepted"] / max(stats["drafted"], 1),
+        prefill_ratio, num_iter, prefill_rule), "accept_rate": stats["accepted"] / max(stats["drafted"], 1),
         "step_drafted": by_step[0], "step_accepted": by_step[1]}
 
 
-def verify_round(s: Session, drafted: list[Drafted], d_tokens, stepwise: bool, stats: dict, ratio: str, align: bool,
-                 inner_temperature, final_std, acceptance: str, density_temperature: float, max_proposals: int,
-                 first_step: int = 0, by_step: torch.Tensor | None = None) -> int:
+def judge_round(s: Session, drafted: list[Drafted], d_tokens, j: Judge):
+    """The round's drafted tokens judged: (z_t, chain, rows, pos, step_of, own chain or None, log ratio, accept,
+    the value an accepted token takes)."""
+    z_t = target_view(s, drafted, d_tokens, j.verify == "stepwise", j.verify_cfg == "round_last")
+    chain = Trajectory.cat([d.chain for d in drafted])
+    rows, pos = torch.cat([d.idx[0] for d in drafted]), torch.cat([d.idx[1] for d in drafted])
+    step_of = torch.cat([torch.full((len(d.idx[0]),), g, device=s.st.dev) for g, d in enumerate(drafted)])
+    step_p = s.head(s.target, *z_t)
+    own = None
+    if j.ratio == "exact":
+        logr, final = exact_log_ratio(chain, step_p)
+    else:
+        own = own_chain(s, step_p, rows, pos, j.align)
+        logr = paper_log_ratio(chain, own, j.final_std, j.inner_temperature, j.normaliser)
+        final = chain.sample  # an accepted token keeps the draft's value
+    ok = accept(logr, _rng(s.st, rows)[0]((len(rows),)), j.density_temperature)
+    return z_t, chain, rows, pos, step_of, own, ok, final
+
+
+def verify_round(s: Session, drafted: list[Drafted], d_tokens, j: Judge, stats: dict, first_step: int = 0,
+                 by_step: torch.Tensor | None = None) -> int:
     """Judge a round's drafted tokens, write accepted or corrected ones into the tokens; return the new known count.
 
     `by_step` (2, B, num_iter), when given, receives per image the drafted and accepted counts of each MAR step
     (the round's drafted steps are `first_step`, `first_step + 1`, ...)."""
     st = s.st
-    z_t = target_view(s, drafted, d_tokens, stepwise)
-    chain = Trajectory.cat([d.chain for d in drafted])
-    rows, pos = torch.cat([d.idx[0] for d in drafted]), torch.cat([d.idx[1] for d in drafted])
-    step_of = torch.cat([torch.full((len(d.idx[0]),), j, device=st.dev) for j, d in enumerate(drafted)])
-    step_p = s.head(s.target, *z_t)
-    rand, randn = _rng(st, rows)
-    own = None
-    if ratio == "exact":
-        logr, final = exact_log_ratio(chain, step_p)
-    else:
-        own = own_chain(s, step_p, rows, pos, align)
-        logr = (paper_log_ratio(chain, own, final_std, inner_temperature) if ratio == "paper"
-                else aligned_log_ratio(chain, own))
-        final = chain.sample  # an accepted token keeps the draft's value
-    ok = accept(logr, rand((len(rows),)), density_temperature)
+    z_t, chain, rows, pos, step_of, own, ok, final = judge_round(s, drafted, d_tokens, j)
     last = len(drafted) - 1
-    if acceptance == "prefix":  # the drafted steps up to the first one with a rejection anywhere in the batch
-        last = next((j for j in range(len(drafted)) if not bool(ok[step_of == j].all())), last)
+    if j.acceptance == "prefix":  # the drafted steps up to the first one with a rejection anywhere in the batch
+        last = next((g for g in range(len(drafted)) if not bool(ok[step_of == g].all())), last)
     keep = step_of <= last
     redo = keep & ~ok
     tok = final.clone()
     if redo.any():
         rand_r, randn_r = _rng(st, rows[redo])
-        if ratio == "paper":
-            tok[redo], used, fell = gaussian_residual(own.sample[redo], chain.sample[redo], final_std,
-                                                      normaliser_log_ratio(chain.rows(redo), own.rows(redo)),
-                                                      rand_r, randn_r, max_proposals)
+        if j.ratio == "paper":
+            log_c = normaliser_log_ratio(chain.rows(redo), own.rows(redo), j.normaliser)
+            tok[redo], used, fell = gaussian_residual(own.sample[redo], chain.sample[redo], j.final_std, log_c,
+                                                      rand_r, randn_r, j.max_proposals, j.fallback)
         else:
-            tok[redo], used, fell = _chain_residual(s, drafted, z_t, redo, rand_r, randn_r, max_proposals)
+            tok[redo], used, fell = _chain_residual(s, drafted, z_t, redo, rand_r, randn_r, j.max_proposals)
         stats["proposals"] += int(used.sum())
         stats["fallbacks"] += int(fell.sum())
     st.tokens[rows[keep], pos[keep]] = tok[keep]

@@ -5,32 +5,30 @@ p(x_{i-1} | x_i) = N(mu(x_i), var_i); the last step(s) may be deterministic (var
 and a DDIM tail). Each token's chain uses its own noise: x_K and eps_K ... eps_1, x_{i-1} = mu + sigma eps_i.
 
 Ratios (`ratio`):
-* "paper" (the CSpD paper's criterion p(Y_p)/q(Y_q), as the authors' code evaluates it): the target runs
-  its OWN chain Y_p, the draft its own Y_q, from the same x_K with the same eps_i (alignment). On its own
-  chain each stochastic step's density is N(x_{i-1}; mu, sigma^2) = prod_d (2 pi sigma_d^2)^(-1/2)
-  exp(-eps_d^2 / 2): with shared noise the exponents are equal and cancel, and what is left of the steps
-  is the product of the normalisers, sum_i sum_d (log sigma^q_{i,d} - log sigma^p_{i,d}). The chain ends
-  with a deterministic step, so the token itself is scored by a last-step Gaussian of width
-  T sigma_f (`inner_temperature` T, 42 in the authors' code; `final_std` sigma_f, by default the schedule's
-  clipped posterior std at step 0, shared by both models so that its normalisers cancel) centred on each
-  model's end point and evaluated at the drafted token x^q_0:
-      log r = sum_i sum_d log(sigma^q_{i,d} / sigma^p_{i,d}) - |x^q_0 - x^p_0|^2 / (2 T^2 sigma_f^2).
+* "paper" (the CSpD paper's criterion p(Y_p)/q(Y_q), as the authors' code evaluates it, `DistributionProcessor`
+  in their spec_decode_runner.py): the target runs its OWN chain Y_p, the draft its own Y_q, from the same x_K
+  with the same eps_i (alignment). With shared noise each stochastic step's exponent -eps^2/2 is the same on both
+  chains, so only per-step normalisers and the last step are left. The chain ends with a deterministic step,
+  scored by a last-step Gaussian of width T sigma_f (`inner_temperature` T, 42 in the authors' code) centred on
+  each model's end point and evaluated at the drafted token x^q_0 (where the draft's own Gaussian is 1):
+      log r = N - |x^q_0 - x^p_0|^2 / (2 T^2 sigma_f^2),
+  with the normaliser term N (`normaliser`):
+      "authors":    N = sum_i sum_d log(sigma^p_{i,d} / sigma^q_{i,d})  (their `fixed_term`, prod sigma_p / sigma_q)
+      "derivation": N = sum_i sum_d log(sigma^q_{i,d} / sigma^p_{i,d})  (the densities' own normalisers, 1/sigma)
+  over the stochastic steps. The authors' sign is the reciprocal of what the densities give; it is their code.
   Approximation, stated: r compares densities of two different trajectories, not one trajectory under two
   models, so accepting with min(1, r) does not make the output the target's distribution; the last-step
   density is a Gaussian of chosen width, not the model's (deterministic) last step. Without alignment
   (independent noise) the exponents do not cancel: the estimator drops them all the same (as the authors'
-  code does), so `align=False` measures what alignment does to the normalisers and end points. (The
-  authors' code multiplies by prod sigma^p / sigma^q over the steps, the reciprocal of the derivation's
-  factor; this module follows the derivation.) The accepted token is the draft's.
+  code does). The accepted token is the draft's.
 * "exact": the target's transitions evaluated on the draft's own stochastic states (x_K cancels): with
   density temperature 1 this is speculative sampling on the stochastic part of the trajectory, hence
   exact; the accepted token is the target's deterministic tail run from the draft's last stochastic state.
-* "aligned" (an earlier reading, kept as an option): the target's Gaussians centred on its own aligned
-  states, evaluated at the draft's states; the accepted token is the draft's.
 
 Residuals (a rejected token is redrawn):
 * `gaussian_residual` (ratio "paper", the paper's way): from norm(max(0, c P - Q)), P and Q the two
-  models' end-of-chain Gaussians N(x^p_0, sigma_f^2) and N(x^q_0, sigma_f^2), c the normaliser product,
+  models' end-of-chain Gaussians N(x^p_0, sigma_f^2) and N(x^q_0, sigma_f^2), c = exp(N) (the authors': their
+  `subtracted_distribution_unormalize`, 1 - Q / (fixed_term P)),
   by acceptance-rejection against the bound c P (proposals from P, around the target's aligned token;
   accept with max(0, 1 - Q / (c P))): no denoiser call. The inner temperature widens only the acceptance
   test, not the residual, as in the authors' code.
@@ -48,7 +46,9 @@ import torch
 
 # step_fn(x_i (N, d), i) -> (mean (N, d), var (N, d)) of p(x_{i-1} | x_i), i = K-1 ... 0
 StepFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-RATIOS = ("paper", "exact", "aligned")
+RATIOS = ("paper", "exact")
+NORMALISERS = ("authors", "derivation")
+FALLBACKS = ("target", "zero")
 
 
 @dataclasses.dataclass
@@ -142,20 +142,30 @@ def evaluate_on(step: StepFn, states: list[torch.Tensor], max_rows: int = 4096, 
     return means, vars_
 
 
-def normaliser_log_ratio(draft: Trajectory, own: Trajectory) -> torch.Tensor:
-    """sum over stochastic steps and dims of log sigma^q - log sigma^p, each model on its own chain (N,)."""
+def log_sigma_ratio(draft: Trajectory, own: Trajectory) -> torch.Tensor:
+    """sum over the stochastic steps and dims of log sigma^p - log sigma^q, each model on its own chain (N,): the
+    log of the authors' `fixed_term`; steps where either model is deterministic are left out."""
     out = torch.zeros(draft.sample.shape[0], device=draft.sample.device)
     for vq, vp in zip(draft.vars, own.vars):
         live = (vq > 0) & (vp > 0)
         one = torch.ones_like(vq)
-        out = out + 0.5 * (torch.where(live, vq, one).log() - torch.where(live, vp, one).log()).sum(-1)
+        out = out + 0.5 * (torch.where(live, vp, one).log() - torch.where(live, vq, one).log()).sum(-1)
     return out
 
 
-def paper_log_ratio(draft: Trajectory, own: Trajectory, final_std: float, inner_temperature: float) -> torch.Tensor:
-    """The paper's log p(Y_p)/q(Y_q) (module docstring): normalisers plus the last-step Gaussian (N,)."""
+def normaliser_log_ratio(draft: Trajectory, own: Trajectory, normaliser: str = "authors") -> torch.Tensor:
+    """The paper ratio's normaliser term N (module docstring) of each drafted token (N,)."""
+    if normaliser not in NORMALISERS:
+        raise ValueError(f"unknown normaliser {normaliser!r}: expected one of {NORMALISERS}")
+    n = log_sigma_ratio(draft, own)
+    return n if normaliser == "authors" else -n
+
+
+def paper_log_ratio(draft: Trajectory, own: Trajectory, final_std: float, inner_temperature: float,
+                    normaliser: str = "authors") -> torch.Tensor:
+    """The paper's log p(Y_p)/q(Y_q) (module docstring): the normaliser term plus the last-step Gaussian (N,)."""
     gap = ((draft.sample - own.sample) / (inner_temperature * final_std)).pow(2).sum(-1)
-    return normaliser_log_ratio(draft, own) - 0.5 * gap
+    return normaliser_log_ratio(draft, own, normaliser) - 0.5 * gap
 
 
 def exact_log_ratio(draft: Trajectory, target_step: StepFn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,25 +179,24 @@ def exact_log_ratio(draft: Trajectory, target_step: StepFn) -> tuple[torch.Tenso
     return logp - logq, tail.sample
 
 
-def aligned_log_ratio(draft: Trajectory, own: Trajectory) -> torch.Tensor:
-    """The earlier reading: the target's Gaussians at its own states, evaluated at the draft's states (N,)."""
-    return (chain_logprob(draft.states, own.means, own.vars)
-            - chain_logprob(draft.states, draft.means, draft.vars))
-
-
 def accept(logr: torch.Tensor, u: torch.Tensor, density_temperature: float = 1.0) -> torch.Tensor:
     """Accept where u < min(1, exp(logr / T)); T > 1 raises acceptance at the cost of exactness."""
     return torch.log(u.clamp_min(1e-30)) < (logr / density_temperature).clamp_max(0.0)
 
 
 def gaussian_residual(mu_p: torch.Tensor, mu_q: torch.Tensor, std, log_c: torch.Tensor, rand, randn,
-                      max_proposals: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      max_proposals: int = 100, fallback: str = "target"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw from norm(max(0, c N(mu_p, std^2) - N(mu_q, std^2))) by acceptance-rejection with proposals
     from N(mu_p, std^2) (bound c P), accepted with max(0, 1 - Q / (c P)). `rand`/`randn` map a shape to a
     tensor (one stream per row). Returns (tokens (N, d), proposals used (N,), fell back (N,) bool); a row
-    that accepts none of `max_proposals` gets mu_p, the target's aligned token."""
+    that accepts none of `max_proposals` gets mu_p, the target's aligned token (`fallback="target"`), or zeros
+    (`"zero"`: what the authors' sampler leaves there after its 100 tries)."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"unknown residual fallback {fallback!r}: expected one of {FALLBACKS}")
     N = mu_p.shape[0]
-    out, used = mu_p.clone(), torch.zeros(N, dtype=torch.long, device=mu_p.device)
+    out = mu_p.clone() if fallback == "target" else torch.zeros_like(mu_p)
+    used = torch.zeros(N, dtype=torch.long, device=mu_p.device)
     done = torch.zeros(N, dtype=torch.bool, device=mu_p.device)
     for _ in range(max_proposals):
         x = mu_p + std * randn(tuple(mu_p.shape))
