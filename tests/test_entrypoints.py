@@ -132,18 +132,17 @@ def test_mar_pair_selects_target_and_draft_of_every_cspd_strategy(pair, target, 
                                  resolve=True)
     assert Path(cfg["generator"]["backbone_dir"]).name == target
     drafts = {name: Path(s["fn"]["draft"]["dirpath"]).name for name, s in cfg["strategies"].items() if "draft" in s["fn"]}
-    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_derivation", "cspd_g2", "cspd_g8", "cspd_inround",
-                           "cspd_inround_g8"}
+    assert set(drafts) == {"cspd", "cspd_noalign", "cspd_g2", "cspd_g8", "cspd_inround"}
     assert set(drafts.values()) == {draft}
     assert all(name == s["name"] for name, s in cfg["strategies"].items())  # a strategy is named as its key
     steps = {name: s["fn"]["num_iter"] for name, s in cfg["strategies"].items()}
-    assert steps == {**{name: 64 for name in drafts}, "mar": 64, "mar32": 32, "mar21": 21, "mar16": 16, "mar12": 12}
+    assert steps == {**{name: 64 for name in drafts}, "mar": 64, "mar32": 32, "mar21": 21, "mar16": 16}
     assert {cfg["strategies"][name]["fn"]["inner_temperature"] for name in drafts} == {42.0}  # the authors'
     assert {n: cfg["strategies"][n]["fn"]["gamma"] for n in drafts} == {
-        n: {"cspd_g2": 2, "cspd_g8": 8, "cspd_inround_g8": 8}.get(n, 4) for n in drafts}
+        n: {"cspd_g2": 2, "cspd_g8": 8}.get(n, 4) for n in drafts}
     assert [cfg["strategies"][n]["fn"]["align"] for n in ("cspd", "cspd_noalign")] == [True, False]
-    assert {n: cfg["strategies"][n]["fn"]["verify"] for n in drafts if "inround" in n} == {
-        "cspd_inround": "stepwise", "cspd_inround_g8": "stepwise"}
+    assert {n: cfg["strategies"][n]["fn"]["verify"] for n in drafts} == {n: "stepwise" if n == "cspd_inround" else
+                                                                          "joint" for n in drafts}
     exact = OmegaConf.to_container(compose_cfg("eval", ["experiment=ablation/cspd_tail_sweep", f"mar_pair={pair}"], tmp_path),
                                    resolve=True)["strategies"]
     lossless = exact["cspd_lossless"]["fn"]
