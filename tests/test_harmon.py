@@ -69,7 +69,7 @@ def test_harmon_runs_cspd_and_decodes(tmp_path):
     for ratio in ("paper", "exact"):
         _, st = cspd.generate(m, prompts, make_rngs([0, 1]), m, num_iter=4, gamma=1, prefill_ratio=0.0, ratio=ratio,
                               verify="stepwise", inner_temperature=1.0 if ratio == "paper" else None,
-                              prefill_rule="ceil", verify_cfg="own_step")
+                              prefill_rule="ceil", verify_cfg="own_step", rounds="fixed")
         assert st["accept_rate"] == 1.0, ratio
     out, st = cspd.generate(m, prompts, make_rngs([0, 1]), d, num_iter=4, gamma=2)
     ref, _ = mar.generate(m, prompts, make_rngs([0, 1]), num_iter=4, cfg_schedule="constant")

@@ -88,9 +88,9 @@ def merge(args: tuple[str, ...], changes: tuple[str, ...]) -> list[str]:
 
 GENEVAL_QUICK = ("benchmark.geneval.prompts_per_task=1", "benchmark.geneval.images_per_task=4")
 SPEED_QUICK = ("speed.num_prompts=2", "speed.batch_sizes=[1]")
-CSPD_QUICK = ("benchmark.geneval.prompts_per_task=1", "benchmark.geneval.images_per_task=null",
-              "benchmark.geneval.samples_per_prompt=2",
-              "benchmark.fidelity.num_prompts=8", *SPEED_QUICK)
+CSPD_QUICK_GENEVAL = ("benchmark.geneval.prompts_per_task=1", "benchmark.geneval.images_per_task=null",
+                      "benchmark.geneval.samples_per_prompt=2", *SPEED_QUICK)
+CSPD_QUICK = (*CSPD_QUICK_GENEVAL, "benchmark.fidelity.num_prompts=8")
 ENTRIES = (
     Entry("ssd_strategies",
           "SSD: speed-up table (passes, latency per strategy), quality table (GenEval), 1D-MTP vs SJD vs SSD, "
@@ -146,7 +146,7 @@ ENTRIES = (
     Entry("cspd_main", "CSpD at one token per MAR step: FID / IS / GenEval per strategy and against the target, "
           "Table 3 (alignment on / off at inner temperatures 5, 10, 42), alpha along the steps, work ratios",
           (*EVAL, "experiment=eval/continuous_speed", "num_threads=1"),
-          CSPD_QUICK),
+          CSPD_QUICK_GENEVAL),
     Entry("cspd_table1", "CSpD Table 1: speed-up vs batch size for draft lengths 4, 8, 16, 32",
           (*EVAL, "-m", "experiment=ablation/cspd_ablation", "benchmark=geneval_fid_shapes",
            "benchmark.geneval.prompts_per_task=12", "benchmark.fidelity.num_prompts=256", "ablation.gamma=4,8,16,32",
