@@ -16,6 +16,7 @@ def compose_cfg(name: str, overrides: list[str], tmp_path) -> DictConfig:
         cfg.paths.output_dir = str(tmp_path / "out")
         cfg.paths.log_dir = str(tmp_path / "logs")
         cfg.paths.data_dir = str(tmp_path / "data")
+        cfg.paths.cache_dir = str(tmp_path / "cache")
         cfg.paths.checkpoint_dir = str(tmp_path / "checkpoints")
     return cfg
 

@@ -15,8 +15,8 @@ from test_mar_release import kl16_state_dict, mar_state_dict
 MAR_SIZES = (32, 2, 1, 4, 16, 2)
 
 
-def tiny_folder(root, hidden=24, seed=0):
-    """config.json + tokenizer files of a 2-layer Qwen2, and harmon.pth in the release's names."""
+def tiny_folder(root, hidden=24, seed=0, weights_name="harmon_1.5b.pth"):
+    """config.json + tokenizer files of a 2-layer Qwen2, and the weights (the release's file and parameter names)."""
     torch.manual_seed(seed)
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}  # byte-level BPE without merges
     Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<|endoftext|>").save_pretrained(root)  # + <|endoftext|>
@@ -31,7 +31,7 @@ def tiny_folder(root, hidden=24, seed=0):
     for name, (d_in, d_out) in (("proj_in", (32, hidden)), ("proj_out", (hidden, 32))):
         sd.update({f"{name}.0.weight": 0.3 * torch.randn(hidden, d_in, generator=g), f"{name}.0.bias": torch.zeros(hidden),
                    f"{name}.2.weight": 0.3 * torch.randn(d_out, hidden, generator=g), f"{name}.2.bias": torch.zeros(d_out)})
-    torch.save(sd, root / "harmon.pth")
+    torch.save(sd, root / weights_name)
     torch.save({"model": kl16_state_dict(mults=(1, 2, 2), z=3)}, root / "kl16.ckpt")
     return root
 
@@ -87,3 +87,6 @@ def test_harmon_loader_refuses_a_mismatched_config_by_key(tmp_path):
         _load(root)
     with pytest.raises(FileNotFoundError, match="no Qwen2 config.json"):
         load_harmon(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match=r"harmon_0.5b.pth' \(in the folder: \['harmon_1.5b.pth'\]\).*"
+                                                r"generator.weights"):
+        _load(root, size="0.5b")

@@ -45,13 +45,14 @@ def test_real_continuous_runs_on_tiny_xar_releases(tmp_path):
     torch.save({"model": kl16_state_dict(mults=(1, 2, 2), z=3)}, tmp_path / "kl16.ckpt")
     shape = ["grid_size=4", "unit_size=2", "token_dim=3", "num_classes=10", "sample_steps=4"]
     cfg = compose_cfg("eval", [
-        "experiment=eval/real_continuous", "generator=xar", "mar_pair=xar_b_l",
+        "experiment=eval/real_continuous", "generator=xar",  # the pair follows the generator: xAR-B/L
         f"generator.weights_path={tmp_path / 'xAR-L.pth'}", f"generator.vae_path={tmp_path / 'kl16.ckpt'}",
         "generator.sizes=[32,2,1,4]", "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
         *[f"generator.{s}" for s in shape], f"mar_pair.draft_path={tmp_path / 'xAR-B.pth'}",
         "mar_pair.draft.sizes=[16,1,1,4]", "benchmark=none", "logger=none", "speed.batch_sizes=[2]",
         "speed.num_prompts=2", "speed.prompts=[3,7]"], tmp_path)
     assert cfg.strategies.cspd.fn.verify == "stepwise" and cfg.strategies.target.fn.cfg_schedule == "linear_steps"
+    assert cfg.mar_pair.draft._target_ == "specgen.backbones.xar.load_xar" and cfg.mar_pair.draft_size == "base"
     metrics = run(cfg)
     for name in ("target", "cspd", "cspd_lossless"):
         assert metrics[f"{name}/speed/nfe"] > 0 and f"{name}/speed/wall_ratio_bs2" in metrics, name
@@ -87,16 +88,18 @@ def test_gpu_check_runs_in_its_tiny_cpu_mode(tmp_path):
 def test_real_continuous_runs_on_tiny_harmon_releases(tmp_path):
     from test_harmon import MAR_SIZES, tiny_folder
 
-    target, draft = tiny_folder(tmp_path / "t"), tiny_folder(tmp_path / "d", hidden=16, seed=1)
+    target, draft = tiny_folder(tmp_path / "t"), tiny_folder(tmp_path / "d", hidden=16, seed=1,
+                                                                    weights_name="harmon_0.5b.pth")
     cfg = compose_cfg("eval", [
-        "experiment=eval/real_continuous", "generator=harmon", "mar_pair=harmon_05_15",
+        "experiment=eval/real_continuous", "generator=harmon",  # the pair follows the generator: Harmon 0.5B/1.5B
         f"generator.folder={target}", f"generator.vae_path={target / 'kl16.ckpt'}",
         f"generator.mar_sizes=[{','.join(map(str, MAR_SIZES))}]", "generator.grid_size=4", "generator.token_dim=3",
         "generator.buffer_size=8", "generator.num_classes=10", "generator.sample_steps=5",
         "generator.vae={image_size:16,ch:32,mults:[1,2,2],num_res_blocks:1,z_dim:3}",
         f"mar_pair.draft_folder={draft}", f"mar_pair.draft.mar_sizes=[{','.join(map(str, MAR_SIZES))}]",
-        "mar_pair.num_iter=4", "benchmark=none", "logger=none", "speed.batch_sizes=[2]", "speed.num_prompts=2",
-        "speed.prompts=[a red circle,two blue squares]"], tmp_path)
+        "mar_pair.num_iter=4", "benchmark=none", "logger=none", "speed.batch_sizes=[2]", "speed.num_prompts=2"],
+        tmp_path)
+    assert cfg.mar_pair.draft.size == "0.5b" and cfg.speed.prompts[0] == "a photo of a red apple on a wooden table"
     metrics = run(cfg)
     for name in ("target", "cspd", "cspd_lossless"):
         assert metrics[f"{name}/speed/nfe"] > 0 and f"{name}/speed/wall_ratio_bs2" in metrics, name

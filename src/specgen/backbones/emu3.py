@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoTokenizer, Emu3ForConditionalGeneration
 
-from specgen.backbones.hf import HFDiscreteBackbone, check_folder, folder_identity, resolve_device_dtype
+from specgen.backbones.hf import (HFDiscreteBackbone, check_folder, folder_identity, recorded_side,
+                                 resolve_device_dtype)
 from specgen.backbones.protocol import Prompts, TokenGrid
 
 POSITIVE_PROMPT = " masterpiece, film grained, best quality."  # appended to every prompt in Emu3's example
@@ -27,10 +28,13 @@ SPECIALS = {"boi": "<|image start|>", "image": "<|image token|>", "eol": "<|extr
 
 
 class Emu3Backbone(HFDiscreteBackbone):
-    def __init__(self, weights_path: str, tokens_per_side: int = 90, positive_prompt: str = POSITIVE_PROMPT,
+    size_key = "generator.tokens_per_side"  # what shrinks the grid (the teacher stage's estimate names it)
+
+    def __init__(self, weights_path: str, tokens_per_side: int | None = None, positive_prompt: str = POSITIVE_PROMPT,
                  negative_prompt: str = NEGATIVE_PROMPT, device: str = "auto", dtype: str = "auto",
                  cfg_scale: float = 3.0, top_k: int | None = 2048, temperature: float = 1.0):
         path = check_folder(weights_path, "Emu3-Gen")
+        tokens_per_side = tokens_per_side or recorded_side(path) or 90  # 90: 720 px, Emu3's example
         dev, dt = resolve_device_dtype(device, dtype)
         model = Emu3ForConditionalGeneration.from_pretrained(path, dtype=dt, attn_implementation="sdpa").to(dev)
         self.__dict__["tokenizer"] = AutoTokenizer.from_pretrained(path)

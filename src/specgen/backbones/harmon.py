@@ -139,12 +139,13 @@ def _resize_positions(sd: dict, buffer: int, grid: int) -> dict:
     return out
 
 
-def load_harmon(folder: str, weights: str = "harmon.pth", size: str = "1.5b", mar_sizes: tuple[int, ...] | None = None,
+def load_harmon(folder: str, weights: str | None = None, size: str = "1.5b", mar_sizes: tuple[int, ...] | None = None,
                 vae_path: str | None = None, grid_size: int = 32, sample_steps: int = 100, buffer_size: int = 64,
                 token_dim: int = 16, num_classes: int = 1000, allow_pickle: bool = False, device: str = "cpu",
                 vae: dict | None = None) -> Harmon:
     """Harmon from a local folder: the Qwen2.5 config and tokenizer files, and the release's weights file
-    (`weights`, a name in the folder or a path); the KL-16 decoder attached when `vae_path` is given."""
+    (`weights`, a name in the folder or a path; None: the release's name for `size`, harmon_0.5b.pth or
+    harmon_1.5b.pth); the KL-16 decoder attached when `vae_path` is given."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no Qwen2 config.json in {str(folder)!r}: give a local folder with the language "
@@ -155,7 +156,13 @@ def load_harmon(folder: str, weights: str = "harmon.pth", size: str = "1.5b", ma
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, padding_side="right")
     model = Harmon(config, tuple(mar_sizes) if mar_sizes is not None else PRESETS[SIZES[size]], tokenizer, grid_size,
                    token_dim, buffer_size, sample_steps, num_classes)
+    weights = weights or f"harmon_{size}.pth"  # wusize/harmon's file names
     path = Path(weights) if Path(weights).is_absolute() else folder / weights
+    if not path.is_file():
+        found = sorted(p.name for p in folder.glob("*.pth")) or "no .pth file"
+        raise FileNotFoundError(f"no Harmon weights at {str(path)!r} (in the folder: {found}): put the release's "
+                                f"harmon_{size}.pth there, or name the file with generator.weights (the draft's: "
+                                f"mar_pair.draft.weights)")
     sd = read_checkpoint(path, None, allow_pickle)
     sd = _resize_positions(sd.get("state_dict", sd), buffer_size, grid_size)
     tied = getattr(config, "tie_word_embeddings", False)

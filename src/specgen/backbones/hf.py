@@ -35,6 +35,13 @@ def folder_identity(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+def recorded_side(path: Path) -> int | None:
+    """Codes per image side that a folder records for itself: the tiny random folders of `random_models` write it
+    (specgen_tiny.json), so that their default grid is theirs, not the release's; None for a downloaded model."""
+    marker = Path(path) / "specgen_tiny.json"
+    return int(json.loads(marker.read_text())["side"]) if marker.is_file() else None
+
+
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """'auto': a GPU when there is one, bf16 on a GPU and fp32 on CPU."""
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)

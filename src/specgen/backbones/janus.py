@@ -35,6 +35,11 @@ class JanusBackbone(HFDiscreteBackbone):
             raise ValueError(f"the tokenizer at {str(path)!r} has no {BOI!r} token: not a Janus checkpoint")
         vq = model.model.vqmodel
         side = int(vq.quantize.quant_state_dims[0])
+        n_gen = model.config.vision_config.num_image_tokens  # how many codes transformers' generate() makes
+        if side * side != n_gen:
+            raise ValueError(f"the VQ grid of {str(path)!r} is {side}x{side} = {side * side} codes (vq_config."
+                             f"num_patches) but vision_config.num_image_tokens is {n_gen}: the config is inconsistent "
+                             f"(Janus-Pro: 24 x 24 = 576); fix one of them in config.json")
         grid = TokenGrid(height=side, width=side, prefix_len=0, visual_start=0,
                          num_visual=model.config.vq_config.num_embeddings)
         text = model.model.language_model

@@ -14,31 +14,80 @@ Settings of Lumina-mGPT's inference code (`lumina_mgpt/inference_solver.py`, the
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
-from transformers import AutoTokenizer, ChameleonForConditionalGeneration
+from safetensors import safe_open
+from transformers import AutoTokenizer, ChameleonConfig, ChameleonForConditionalGeneration
 
 from specgen.backbones.chameleon_vqgan import ChameleonVQGANDecoder
-from specgen.backbones.hf import HFDiscreteBackbone, check_folder, folder_identity, resolve_device_dtype
+from specgen.backbones.hf import (HFDiscreteBackbone, check_folder, folder_identity, recorded_side,
+                                 resolve_device_dtype)
 from specgen.backbones.protocol import Prompts, TokenGrid
 
 TEMPLATE = "Generate an image of {size}x{size} according to the following prompt:\n{prompt}"
 SEP, BOI, EOI, NEWLINE = "<reserved08706>", "<racm3:break>", "<eoss>", "<reserved08799>"
 PATCH = 32  # pixels per size-token unit (two 16-pixel codes)
+log = logging.getLogger(__name__)
 
 
 def size_token(n_patches: int) -> str:
     return f"<reserved{8800 + n_patches:05d}>"
 
 
+def _qk_norm_fixes(path: Path, config) -> dict[str, torch.Tensor]:
+    """q/k-norm parameters stored in Lumina-mGPT's own layout, (model_parallel_size, head_dim) (its vendored
+    `ChameleonLayerNorm` repeats each row over the heads of its shard: (1, 128) in the 7B releases), as transformers'
+    (heads, head_dim) layout: each row repeated over its heads. Reads the files' headers and these small tensors only;
+    any other shape mismatch is an error that names the key."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in ChameleonForConditionalGeneration(config).state_dict().items()}
+    fixes, bad = {}, []
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                want = expected.get(key)
+                if want is None or shape == want:
+                    continue
+                is_norm = key.endswith(("q_norm.weight", "q_norm.bias", "k_norm.weight", "k_norm.bias"))
+                if is_norm and len(shape) == 2 and shape[1] == want[1] and want[0] % shape[0] == 0:
+                    fixes[key] = f.get_tensor(key).repeat_interleave(want[0] // shape[0], dim=0)
+                else:
+                    bad.append(f"{key}: {shape} in {file.name}, the config implies {want}")
+    if bad:
+        raise ValueError(f"the weights at {str(path)!r} do not fit its config.json ({len(bad)} tensors; first: "
+                         f"{bad[0]}): a Chameleon-format checkpoint of another size, or a damaged download")
+    return fixes
+
+
+def load_chameleon(path: Path, dtype: torch.dtype) -> ChameleonForConditionalGeneration:
+    """transformers' Chameleon class from a folder, q/k norms in Lumina-mGPT's layout repeated on load."""
+    fixes = _qk_norm_fixes(path, ChameleonConfig.from_pretrained(path))
+    model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                              ignore_mismatched_sizes=bool(fixes))
+    if fixes:  # the only mismatches (checked above): written back in transformers' layout
+        log.info("%s: %d q/k-norm tensors in Lumina-mGPT's (model_parallel_size, head_dim) layout, repeated per head",
+                 path, len(fixes))
+        with torch.no_grad():
+            for key, value in fixes.items():
+                model.get_parameter(key).copy_(value)
+    return model
+
+
 class LuminaBackbone(HFDiscreteBackbone):
-    def __init__(self, weights_path: str, resolution: int = 768, vqgan_path: str | None = None,
+    size_key = "generator.resolution"  # what shrinks the grid (the teacher stage's estimate names it)
+
+    def __init__(self, weights_path: str, resolution: int | None = None, vqgan_path: str | None = None,
                  device: str = "auto", dtype: str = "auto", template: str = TEMPLATE,
                  cfg_scale: float = 4.0, top_k: int | None = 2000, temperature: float = 1.0):
         path = check_folder(weights_path, "Lumina-mGPT (Chameleon format)")
+        resolution = resolution or 16 * (recorded_side(path) or 48)  # 48 x 48 codes: the 7B-768 release
         if resolution % PATCH:
             raise ValueError(f"generator.resolution={resolution}: Lumina-mGPT sizes images in {PATCH}-pixel patches")
         dev, dt = resolve_device_dtype(device, dtype)
-        model = ChameleonForConditionalGeneration.from_pretrained(path, dtype=dt, attn_implementation="sdpa").to(dev)
+        model = load_chameleon(path, dt).to(dev)
         self.__dict__["tokenizer"] = tok = AutoTokenizer.from_pretrained(path)
         vocab = tok.get_vocab()
         n = resolution // PATCH
@@ -59,7 +108,12 @@ class LuminaBackbone(HFDiscreteBackbone):
         self.set_visual_ids(torch.tensor([mapping.img2bpe[k] for k in range(V)]), model.lm_head.weight)
         self.header = (vocab[BOI], vocab[size_token(n)], vocab[size_token(n)])
         self.resolution, self.template, self.vqgan_path = resolution, template, vqgan_path
-        self.__dict__["vqgan"] = None  # loaded on the first decode (a user path, kept out of this module's weights)
+        self.__dict__["vqgan"] = None  # a user path, kept out of this module's weights
+        if vqgan_path:  # checked and loaded now: a wrong path fails here, not after the first batch of samples
+            self._load_vqgan("decoding Lumina-mGPT codes to pixels")
+        else:
+            log.warning("generator.vqgan_path is not set: Lumina-mGPT codes cannot be decoded to pixels (give the "
+                        "folder with Chameleon's vqgan.yaml and vqgan.ckpt)")
 
     def prompts(self, texts: list[str]) -> Prompts:
         tok = self.tokenizer

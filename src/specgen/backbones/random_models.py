@@ -32,9 +32,12 @@ PROMPT_WORDS = ("generate an image of according to the following prompt masterpi
 BASE = ["<pad>", "<s>", "</s>", "<unk>"] + [str(i) for i in range(100)] + ["*", ",", ".", ":", "x", "\n"]
 
 
-def _tokenizer(specials: list[str], extra_vocab: dict[str, int] | None = None) -> tuple[PreTrainedTokenizerFast, dict]:
+def _tokenizer(specials: list[str], extra_vocab: dict[str, int] | None = None, named: dict[str, str] | None = None,
+               bos: bool = True) -> tuple[PreTrainedTokenizerFast, dict]:
     """A word-level tokenizer: base tokens, the world's words and `specials` (kept whole), ids in that order, then
-    `extra_vocab` at given ids (visual tokens the model's vocabulary map names)."""
+    `extra_vocab` at given ids (visual tokens the model's vocabulary map names). `named`: special tokens the model's
+    transformers processor reads as tokenizer attributes (`boi_token`, `image_token`, ...); `bos`: whether encoding
+    adds a BOS (Janus' and Chameleon's tokenizers do, Emu3's does not: its processor adds it)."""
     vocab = {}
     words = set(WORDS) | set(PROMPT_WORDS.split())
     for t in BASE + sorted(words - set(BASE)):
@@ -46,9 +49,11 @@ def _tokenizer(specials: list[str], extra_vocab: dict[str, int] | None = None) -
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=specials)
+                                   unk_token="<unk>", additional_special_tokens=specials,
+                                   extra_special_tokens=named or {})
     fast.add_special_tokens({"additional_special_tokens": specials})
     return fast, vocab
 
@@ -58,7 +63,9 @@ def _emu3(out: Path, side: int):
     V = 32
     first = 400  # visual tokens after the text vocabulary
     visual = {"<|visual token %06d|>" % k: first + k for k in range(V)}
-    tok, vocab = _tokenizer(specials, visual)
+    named = {"image_token": "<image>", "boi_token": "<|image start|>", "eoi_token": "<|image end|>",
+             "image_wrapper_token": "<|image token|>", "eof_token": "<|extra_201|>"}  # what Emu3Processor reads
+    tok, vocab = _tokenizer(specials, visual, named, bos=False)
     cfg = Emu3Config(
         vq_config=dict(codebook_size=V, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1, 1],
                        num_res_blocks=1, attn_resolutions=[], hidden_size=32, num_attention_heads=1),
@@ -106,14 +113,15 @@ def write_tiny_vqgan(folder: Path, codes: int = 32, seed: int = 0) -> ChameleonV
 
 def _janus(out: Path, side: int):
     specials = ["<|User|>", "<|Assistant|>", "<begin_of_image>", "<end_of_image>", "<image_placeholder>"]
-    tok, vocab = _tokenizer(specials)
+    named = {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"}
+    tok, vocab = _tokenizer(specials, named=named)  # the names JanusProcessor reads
     D, V = 64, 32
     cfg = JanusConfig(
         text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=D, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512, initializer_range=0.2,
                          pad_token_id=vocab["<pad>"], bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"]),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16 * side, patch_size=16,
-                           projection_dim=D, num_image_tokens=4),
+                           projection_dim=D, num_image_tokens=side * side),  # generate() makes this many codes
         vq_config=dict(embed_dim=8, num_embeddings=V, latent_channels=16, base_channels=32, channel_multiplier=[1, 1],
                        num_res_blocks=1, num_patches=side, projection_dim=D, image_token_embed_dim=D),
         image_token_id=vocab["<image_placeholder>"])

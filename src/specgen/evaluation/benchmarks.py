@@ -11,8 +11,8 @@ from PIL import Image
 from specgen.evaluation import dpg_bench
 from specgen.evaluation.clipscore import clip_score, cosines, load_clip
 from specgen.evaluation.generate import Job, job_seed
-from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evaluate, read_metadata, summarize,
-                                        write_official_layout)
+from specgen.evaluation.geneval import (TASKS, ShapesDetector, Thresholds, evaluate, is_plain_prompts,
+                                        read_metadata, summarize, write_official_layout)
 from specgen.evaluation.real_models import OpenClipColorClassifier, TransformersDetector, TransformersVQA
 from specgen.world import render, scene_for
 from specgen.world.prompts import DEFAULT_MIX, prompts, sample_prompt
@@ -97,6 +97,10 @@ def real_geneval(metadata_file: str, detector_path: str | None = None, color_che
         raise ValueError("benchmark.prompts_path is not set: give GenEval's evaluation_metadata.jsonl (a copy: "
                          "shared/benchmarks/geneval/evaluation_metadata.jsonl)")
     detector = None
+    if (detector_path or color_checkpoint) and is_plain_prompts(metadata_file):
+        raise ValueError(f"benchmark.prompts_path={metadata_file!r} is a plain prompts file (one a line): GenEval "
+                         f"scores only its own metadata (evaluation_metadata.jsonl, objects per prompt); drop "
+                         f"benchmark.detector_path and benchmark.color_checkpoint to write the images unscored")
     if detector_path or color_checkpoint:
         if not (detector_path and color_checkpoint):
             raise ValueError(f"GenEval scoring needs both benchmark.detector_path ({detector_path!r}) and "

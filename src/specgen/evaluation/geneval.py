@@ -136,13 +136,30 @@ def paired_difference(results: list[dict], reference: list[dict]) -> dict[str, f
             "diff_pairs": float(sum(len(d) for d in by_task.values()))}
 
 
+def is_plain_prompts(path: str | Path) -> bool:
+    """A text file of one prompt a line (not .jsonl, its first line not a JSON object)."""
+    path = Path(path)
+    if path.suffix == ".jsonl" or not path.is_file():
+        return False
+    first = next((line for line in path.read_text().splitlines() if line.strip()), "")
+    return not first.lstrip().startswith("{")
+
+
+def _empty(path: Path):
+    raise ValueError(f"prompts file {str(path)!r} holds no prompts (it is empty)")
+
+
 def read_metadata(path: str | Path) -> list[dict]:
-    """Read an official `evaluation_metadata.jsonl`, naming the line of any malformed entry."""
+    """Read an official `evaluation_metadata.jsonl`, naming the line of any malformed entry; a plain text file of
+    prompts (one a line) gives entries of tag "prompts" with no objects (written, never scored)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GenEval metadata file {str(path)!r} not found: pass the path of "
                                 f"evaluation_metadata.jsonl from the GenEval repository (prompts/ folder)")
     out = []
+    if is_plain_prompts(path):  # one prompt a line: images only, no GenEval tags or objects to score them by
+        return [{"tag": "prompts", "include": [], "prompt": line.strip()}
+                for line in path.read_text().splitlines() if line.strip()] or _empty(path)
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue

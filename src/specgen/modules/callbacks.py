@@ -44,6 +44,7 @@ class ExportModel(L.Callback):
         net = getattr(pl_module, "export_net", pl_module.net)
         if hasattr(net, "export_config"):  # values measured in training, e.g. a latent scale
             net_cfg.update(net.export_config())
+        net_cfg.update(getattr(pl_module, "net_overrides", {}))  # values resolved at build (drafter.hidden_size=auto)
         export(self.dirpath, net, net_cfg, metrics, command, extra, self.weights_dtype)
 
     def on_validation_end(self, trainer, pl_module):

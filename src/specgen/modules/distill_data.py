@@ -33,6 +33,7 @@ from specgen.backbones.protocol import Prompts, image_states
 from specgen.decoding import ar
 from specgen.decoding.sampling import make_rngs
 from specgen.modules.sharding import rank_loader, rank_shards, rank_world, write_rank_share
+from specgen.modules.teacher_cost import describe, time_batch
 from specgen.utils.checkpoints import atomic_savez, build, compact_ints, missing_shards
 from specgen.utils.validate import expect_int
 from specgen.world.dataset import example
@@ -223,15 +224,35 @@ class DistillDataModule(L.LightningDataModule):
                   f"{len(todo)}")
         print(size_estimate(backbone, len(todo), h.shard_size, total, h.get("stream", False),
                             self.shard_path(*todo[0]).parent))
-        for split, k in tqdm(todo, desc="sampling teacher shards", unit="shard"):
-            self._write_shard(backbone, split, k, device)
+        self._print_time_estimate(backbone, todo)
+        self._bar = tqdm(total=len(todo) * h.shard_size, desc="teacher sequences", unit="seq", dynamic_ncols=True)
+        with self._bar:  # counts sequences (and their tokens) across the shards, not shards alone
+            for split, k in todo:
+                self._bar.set_description(f"teacher sequences ({split} shard {k})")
+                self._write_shard(backbone, split, k, device)
+        self._bar = None
+
+    def _print_time_estimate(self, backbone, todo: list[tuple[str, int]]) -> None:
+        """A few timed steps of the teacher, then what the shards to write will take on this machine."""
+        h = self.hparams
+        sampled = [t for t in todo if not (t[0] == "train" and h.train_source == "dataset")]
+        if not sampled:
+            return
+        n = min(h.sample_batch, h.shard_size)
+        guided = h.cfg_scale != 1.0
+        split, k = sampled[0]
+        timing = time_batch(backbone, self._prompts(split, k * h.shard_size, n, 0), guided,
+                            states=not h.get("stream"))
+        print(describe(backbone, timing, len(sampled) * h.shard_size, n, guided, str(backbone.device)))
 
     @torch.no_grad()
     def _write_shard(self, backbone, split: str, k: int, device: str = "cpu"):
         h = self.hparams
+        bar = getattr(self, "_bar", None)
         states, ids, all_codes, texts = [], [], [], []
         dataset = split == "train" and h.train_source == "dataset"
-        for start in tqdm(range(0, h.shard_size, h.sample_batch), desc=f"{split} shard {k}", leave=False):
+        per_seq = backbone.grid.num_visual_tokens
+        for start in range(0, h.shard_size, h.sample_batch):
             n = min(h.sample_batch, h.shard_size - start)
             base = (k * h.shard_size + start) * 2 + (1 if split == "val" else 0)
             if dataset:  # the world's images of new scenes, encoded by the backbone's tokenizer
@@ -251,10 +272,13 @@ class DistillDataModule(L.LightningDataModule):
                 ids.append(tokens[:, :image_states_len(backbone.grid)].int().cpu().numpy())
                 all_codes.append(codes.int().cpu().numpy())
                 texts += list(cond.texts)
-                continue
-            both, tok = teacher_states(backbone, cond, codes, guided=True)  # (2n, L, D): conditional, unconditional
-            states.append(torch.stack([both[:n], both[n:]], 1).half().cpu().numpy())
-            ids.append(tok[:n].int().cpu().numpy())
+            else:
+                both, tok = teacher_states(backbone, cond, codes, guided=True)  # (2n, L, D): cond, uncond
+                states.append(torch.stack([both[:n], both[n:]], 1).half().cpu().numpy())
+                ids.append(tok[:n].int().cpu().numpy())
+            if bar is not None:
+                bar.update(n)
+                bar.set_postfix(tokens=f"{bar.n * per_seq:,}")
         # atomic: an interrupted stage resumes at this shard
         if h.get("stream"):
             # compressed, ids in int16 where they fit: about a fifth of the plain int32 file (a shard of 2048 sequences

@@ -69,20 +69,24 @@ class DistillModule(L.LightningModule):
             raise ValueError(f"module.guided_loss={guided_loss!r}: expected one of {GUIDED_LOSSES}")
         if OmegaConf.is_config(generator):
             generator = OmegaConf.to_container(generator, resolve=True)
+        # The frozen teacher lives outside the module tree: never trained, never in a checkpoint.
+        backbone = build(generator) if generator else load_shapes_generator(backbone_dir, tokenizer_dir)
+        where = generator["weights_path"] if generator else backbone_dir
+        self.net_overrides = {}  # constructor values resolved here, written into the export's config
         if OmegaConf.is_config(net) or isinstance(net, dict):  # a config left unbuilt (module._recursive_=false)
-            net = build(OmegaConf.to_container(net, resolve=True) if OmegaConf.is_config(net) else net)
+            net = dict(OmegaConf.to_container(net, resolve=True) if OmegaConf.is_config(net) else net)
+            if net.get("hidden_size") == "auto":  # drafter.hidden_size=auto: the backbone's width
+                net["hidden_size"] = self.net_overrides["hidden_size"] = backbone.hidden_size
+            net = build(net)
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         have = list(getattr(net, "directions", ()))
         if directions is not None and (not directions or set(directions) - set(have)):
             raise ValueError(f"module.directions={list(directions)}: expected a non-empty subset of the drafter's "
                              f"{have} (or null: train them all)")
-        # The frozen teacher lives outside the module tree: never trained, never in a checkpoint.
-        backbone = build(generator) if generator else load_shapes_generator(backbone_dir, tokenizer_dir)
-        where = generator["weights_path"] if generator else backbone_dir
         if getattr(net, "hidden_size", backbone.hidden_size) != backbone.hidden_size:
             raise ValueError(f"drafter.hidden_size={net.hidden_size} but the backbone at {where!r} has width "
-                             f"{backbone.hidden_size}: set drafter.hidden_size={backbone.hidden_size}")
+                             f"{backbone.hidden_size}: set drafter.hidden_size={backbone.hidden_size} (or auto)")
         self.__dict__["backbone"] = backbone
         self.backbone_id = weights_part(backbone.identity) if generator else weights_id(backbone_dir)
 
