@@ -378,7 +378,7 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
             "speed.batch_sizes=[1,2]", "speed.entropy_prompts=2", "logger=csv"]
     cfg = compose_cfg("eval", base + tiny_drafter_overrides("eval", base, tiny_exports, tmp_path), tmp_path)
     strategies = tuple(cfg.strategies)
-    assert {"ar", "ssd", "ssd_no_reweight", "ssd_paper", "sjd", "zipar", "mtp1d", "specdec"} <= set(strategies)
+    assert {"ar", "ssd", "ssd_paper", "ssd_latent", "sjd", "zipar", "mtp1d", "specdec"} <= set(strategies)
     m = run_eval(cfg)
     for s in strategies:
         for key in ("speed/nfe", "speed/nfe_ratio", "speed/latency_s", "speed/wall_ratio", "speed/wall_ratio_bs1",

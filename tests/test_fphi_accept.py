@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import tiny_llama
 from specgen.analysis import drafter_report
 from specgen.backbones.protocol import embed_image
-from specgen.decoding import ar, ssd
+from specgen.decoding import ar, ssd, ssd_carry
 from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.modules.distill_data import DistillDataModule
@@ -145,10 +145,11 @@ def test_ssd_with_a_row_context_drafter_equals_greedy_ar(eol):
         torch.nn.init.normal_(p, std=0.05)  # an imperfect drafter: many rejections
     prompts = m.prompts(["a red circle", "two blue squares"])
     ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
-    for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
-        out, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, temperature=0, **kw)
+    for decode, kw in ((ssd.generate, {"rounds": m.grid.width}), (ssd_carry.generate, {"rounds": 1}),
+                       (ssd.generate, {"exact": True})):
+        out, st = decode(m, prompts, drafter, cfg_scale=2.0, temperature=0, **kw)
         assert torch.equal(out, ref), kw
-    _, st = ssd.generate(m, prompts, drafter, cfg_scale=2.0, rounds=1, carry=True, rngs=make_rngs([0, 1]))
+    _, st = ssd_carry.generate(m, prompts, drafter, cfg_scale=2.0, rounds=1, rngs=make_rngs([0, 1]))
     assert st["nfe"] < m.grid.num_visual_tokens
 
 
@@ -208,8 +209,9 @@ def test_left_context_drafter_starts_as_the_one_without_and_drafts_rows_left_to_
             torch.nn.init.normal_(p, std=0.05)
         prompts = m.prompts(["a red circle", "two blue squares"])
         ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
-        for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True}):
-            assert torch.equal(ssd.generate(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
+        for decode, kw in ((ssd.generate, {"rounds": m.grid.width}), (ssd_carry.generate, {"rounds": 1}),
+                           (ssd.generate, {"exact": True})):
+            assert torch.equal(decode(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
 
 
 def test_left_context_is_trained_on_the_token_before_each_drafted_one(tiny_exports, teacher):

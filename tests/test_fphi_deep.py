@@ -7,8 +7,9 @@ import torch
 
 from helpers import tiny_llama
 from specgen.backbones.protocol import embed_image
-from specgen.decoding import ar, ssd
+from specgen.decoding import ar, ssd, ssd_carry
 from specgen.decoding.sampling import make_rngs
+from specgen.decoding.ssd_carry.tails import Reweight
 from specgen.drafters.fphi import FPhi
 from specgen.modules.distill_module import DistillModule
 
@@ -59,17 +60,17 @@ def test_ssd_with_a_deep_drafter_equals_greedy_ar_and_drafts_with_it(eol):
         torch.nn.init.normal_(p, std=0.05)
     prompts = m.prompts(["a red circle", "two blue squares"])
     ref, _ = ar.generate(m, prompts, cfg_scale=2.0, temperature=0)
-    for kw in ({"rounds": m.grid.width}, {"rounds": 1, "carry": True}, {"exact": True},
-               {"rounds": 1, "carry": True, "left_draft": "above"}, {"rounds": 1, "carry": True, "left_draft": "refine"}):
-        assert torch.equal(ssd.generate(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
+    for decode, kw in ((ssd.generate, {"rounds": m.grid.width}), (ssd.generate, {"exact": True}),
+                       (ssd_carry.generate, {"rounds": 1}), (ssd_carry.generate, {"tails": [Reweight(2)]})):
+        assert torch.equal(decode(m, prompts, d, cfg_scale=2.0, temperature=0, **kw)[0], ref), (eol, kw)
     # sampled drafts come from the k-token drafter: zeroing its far left maps changes them
-    kw = dict(cfg_scale=2.0, rounds=1, carry=True)
+    kw = dict(cfg_scale=2.0, rounds=1)
     for lin in d.left_far:  # far left tokens that matter
         torch.nn.init.normal_(lin.weight, std=1.0)
-    out, _ = ssd.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
+    out, _ = ssd_carry.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
     for lin in d.left_far:
         torch.nn.init.zeros_(lin.weight)
-    near, _ = ssd.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
+    near, _ = ssd_carry.generate(m, prompts, d, rngs=make_rngs([0, 1]), **kw)
     assert not torch.equal(out, near)
 
 

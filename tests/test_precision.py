@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from specgen.backbones.loading import load_shapes_generator
 from specgen.backbones.protocol import image_states
-from specgen.decoding import ar, ssd
+from specgen.decoding import ar, ssd_carry
 from specgen.decoding.sampling import guided_logits, make_rngs
 from specgen.evaluation.runner import image_cache_dir
 from specgen.utils.checkpoints import load_exported
@@ -47,7 +47,7 @@ def test_decoders_run_in_bf16_and_drafted_logits_are_float32(tiny_exports):
     p = bf16.prompts(PROMPTS)
     with torch.inference_mode():
         a, a_stats = ar.generate(bf16, p, cfg_scale=2.0, rngs=make_rngs([0, 1]))
-        s, s_stats = ssd.generate(bf16, p, fphi, cfg_scale=2.0, rngs=make_rngs([0, 1]), carry=True, rounds=0)
+        s, s_stats = ssd_carry.generate(bf16, p, fphi, cfg_scale=2.0, rngs=make_rngs([0, 1]))
     g = bf16.grid
     for out in (a, s):
         assert out.shape == (len(PROMPTS), g.height, g.width)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts, TokenGrid
-from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, zipar
+from specgen.decoding import ar, mtp1d, sjd, specdec, ssd, ssd_carry, zipar
 from specgen.decoding.sampling import make_rngs
 from specgen.drafters.fphi import FPhi
 from specgen.drafters.mtp import MTPHeads
@@ -117,8 +117,8 @@ def lossless(m: FakeBackbone) -> dict:
     return {
         "ssd_exact": lambda p, **kw: ssd.generate(m, p, fphi(), exact=True, **kw),
         "ssd_rounds": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=m.grid.width, **kw),  # a round per column
-        "ssd_carry": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=0, carry=True, **kw),
-        "ssd_carry_window": lambda p, **kw: ssd.generate(m, p, fphi(), rounds=1, carry=True, max_window_rows=2, **kw),
+        "ssd_carry": lambda p, **kw: ssd_carry.generate(m, p, fphi(), **kw),
+        "ssd_carry_window": lambda p, **kw: ssd_carry.generate(m, p, fphi(), rounds=1, max_window_rows=2, **kw),
         "sjd": lambda p, **kw: sjd.generate(m, p, window=5, **kw),
         "sjd_vertical": lambda p, **kw: sjd.generate(m, p, window=5, init="vertical", **kw),
         "zipar_w": lambda p, **kw: zipar.generate(m, p, window=m.grid.width, **kw),
@@ -193,8 +193,8 @@ def test_target_states_are_kept_for_a_few_rows_on_emu3s_layout():
     p = m.prompts(PROMPTS[:1])
     fphi = noisy(lambda: FPhi(m.hidden_size, "xs"), 1)
     stride = m.grid.stride
-    for kw in ({"rounds": 1, "carry": True, "max_window_rows": 2}, {"rounds": 2}):
-        codes, st = ssd.generate(m, p, fphi, cfg_scale=3.0, rngs=make_rngs([0]), **kw)
+    for decode, kw in ((ssd_carry.generate, {"rounds": 1, "max_window_rows": 2}), (ssd.generate, {"rounds": 2})):
+        codes, st = decode(m, p, fphi, cfg_scale=3.0, rngs=make_rngs([0]), **kw)
         assert codes.shape == (1, 90, 90) and int(codes.max()) < 16
         dense = m.grid.height * stride
         assert st["state_slots"] <= 4 * stride, (kw, st["state_slots"], dense)  # a few rows of 91 slots, not 8190

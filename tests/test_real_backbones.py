@@ -12,8 +12,9 @@ from specgen.backbones.janus import JanusBackbone
 from specgen.backbones.lumina import LuminaBackbone
 from specgen.backbones.protocol import DiscreteBackbone, embed_image, image_states
 from specgen.backbones.random_models import build_tiny, write_tiny_vqgan
-from specgen.decoding import ar, sjd, ssd
+from specgen.decoding import ar, sjd, ssd, ssd_carry
 from specgen.decoding.sampling import guide, guided_logits
+from specgen.decoding.ssd_carry.acceptance import Latent
 from specgen.drafters.fphi import FPhi
 
 PROMPTS = ["a red circle", "two blue squares left of a large green cross"]
@@ -141,25 +142,24 @@ def test_every_lossless_decoder_equals_greedy_ar(real):
     p = m.prompts(PROMPTS)
     ref, _ = ar.generate(m, p, cfg_scale=CFG, temperature=0)
     d = noisy_fphi(m)
-    runs = {"ssd": dict(rounds=4), "ssd_carry": dict(rounds=1, carry=True, max_window_rows=2),
-            "ssd_exact": dict(exact=True)}
-    for name, kw in runs.items():
-        out, _ = ssd.generate(m, p, d, cfg_scale=CFG, temperature=0, **kw)
+    runs = {"ssd": (ssd.generate, dict(rounds=4)), "ssd_carry": (ssd_carry.generate, dict(rounds=1, max_window_rows=2)),
+            "ssd_exact": (ssd.generate, dict(exact=True))}
+    for name, (decode, kw) in runs.items():
+        out, _ = decode(m, p, d, cfg_scale=CFG, temperature=0, **kw)
         assert torch.equal(out, ref), name
     out, _ = sjd.generate(m, p, cfg_scale=CFG, temperature=0, window=4)
     assert torch.equal(out, ref), "sjd"
 
 
 def test_latent_acceptance_reads_each_adapters_codebook(real):
-    """`code_embeddings()` is the adapter's VQ codebook, one row per visual code; SSD with `acceptance=latent` finds
+    """`code_embeddings()` is the adapter's VQ codebook, one row per visual code; SSD with acceptance `Latent` finds
     its neighbours there and still equals greedy AR."""
     kind, _, m = real
     e = m.code_embeddings()
     assert e.ndim == 2 and e.shape[0] == m.grid.num_visual
     p = m.prompts(PROMPTS)
     ref, _ = ar.generate(m, p, cfg_scale=CFG, temperature=0)
-    out, _ = ssd.generate(m, p, noisy_fphi(m), cfg_scale=CFG, temperature=0, rounds=0, carry=True,
-                          acceptance="latent", latent_k=4, latent_delta=0.3)
+    out, _ = ssd_carry.generate(m, p, noisy_fphi(m), cfg_scale=CFG, temperature=0, acceptance=Latent(4, 0.3))
     assert torch.equal(out, ref)
 
 

@@ -48,8 +48,9 @@ def test_excess_is_zero_for_exact_samplers_and_negative_for_cold_ones():
     for net in d.nets.values():
         torch.nn.init.normal_(net[-1].weight, std=0.05)
     prompts = [PROMPTS[i % 3] for i in range(96)]
-    runs = {"ar": None, "ssd": dict(rounds=0, carry=True), "paper": dict(rounds=0),
-            "cold": dict(rounds=0, carry=True, temperature=0.5)}
+    carry, paper = "specgen.decoding.ssd_carry.generate", "specgen.decoding.ssd.generate"
+    runs = {"ar": None, "ssd": {"_target_": carry}, "paper": {"_target_": paper, "rounds": 0},
+            "cold": {"_target_": carry, "temperature": 0.5}}
     res = {name: sample_nll.summarise(sample_nll.sample_logprobs(m, d, prompts, 2.0, 0, opts, 32).numpy(), None)
            for name, opts in runs.items()}
     for name in ("ar", "ssd"):
@@ -71,7 +72,7 @@ def test_summarise_pairs_by_prompt_and_main_writes_its_files(tmp_path, tiny_expo
     out = tmp_path / "nll"
     args = ["--backbone", str(tiny_exports / "ar"), "--tokenizer", str(tiny_exports / "vq"), "--drafter",
             str(tiny_exports / "fphi"), "--prompts", "4", "--batch-size", "2", "--out", str(out),
-            "--variant", "carry=rounds:0,carry:true"]
+            "--variant", "carry=rounds:0,tails:[]"]
     res = sample_nll.main(args)
     assert set(res) == {"ar", "carry"} and res["carry"]["images"] == 4 and "nll_minus_ar" in res["carry"]
     assert json.loads((out / "sample_nll.json").read_text()) == res

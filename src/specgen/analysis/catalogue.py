@@ -103,8 +103,6 @@ ENTRIES = (
     Entry("ssd_rounds_geneval", "SSD: verification rounds with carry, GenEval (+-0.03) and passes",
           (*EVAL, "experiment=ablation/ssd_rounds_geneval"),
           (*GENEVAL_QUICK, *SPEED_QUICK)),
-    Entry("ssd_row_cap", "SSD: carry with a per-row pass cap (the paper's budget) against uncapped carry and AR, "
-          "GenEval and passes", (*EVAL, "experiment=ablation/ssd_row_cap"), (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_second_row", "SSD: the second row's wait for the first row to settle (the default) against no wait "
           "and AR, GenEval and passes", (*EVAL, "experiment=ablation/ssd_second_row"), (*GENEVAL_QUICK, *SPEED_QUICK)),
     Entry("ssd_row_passes", "SSD: grid-size scaling along one grid (passes per row, carry vs the paper's rule)",
@@ -122,7 +120,7 @@ ENTRIES = (
            "--world", f"16={CK}/ar_shapes,{CK}/vq_shapes,{CK}/fphi_accept",
            "--world", f"24={CK}/ar_shapes24,{CK}/vq_shapes96,{CK}/fphi_shapes24",
            "--world", f"32={CK}/ar_shapes32,{CK}/vq_shapes128,{CK}/fphi_shapes32",
-           "--strategy", "ssd", "--strategy", "ssd_paper", "--strategy", "ssd_capped",
+           "--strategy", "ssd", "--strategy", "ssd_paper",
            "--prompts", "32", "--out", "{out}"),
           ("--prompts", "2")),
     Entry("ssd_grid24_quality", "SSD: quality parity on the 24x24 world (GenEval of AR, SSD, the paper's rule)",
@@ -135,7 +133,8 @@ ENTRIES = (
           pareto=("ssd/speed/nfe_ratio_bs1", "ssd/geneval/overall")),
     Entry("ssd_drafter_input", "SSD: hidden-state (f_phi) vs token-id drafting",
           (*EVAL, "-m", "experiment=ablation/ssd_ablation",
-           f"strategies.ssd.fn.drafter.dirpath={CK}/fphi_shapes,{CK}/fphi_tokens_shapes"),
+           f"strategies.ssd.fn.drafter.dirpath={CK}/fphi_shapes,{CK}/fphi_tokens_shapes",
+           "strategies.ssd.fn.tails=[]"),  # the tails read hidden states: none for either drafter
           (*GENEVAL_QUICK, *SPEED_QUICK), sweep=True,
           pareto=("ssd/speed/nfe_ratio_bs1", "ssd/geneval/overall")),
     Entry("drafter_report", "SSD: drafter agreement and expected acceptance per direction, size and FLOPs",

@@ -5,8 +5,7 @@ n / (r + 1) and grows linearly with the side; a rule whose passes per row grow w
 one pass per change that ends a pass) grows more slowly. Each world (a backbone, its tokenizer and its f_phi) is
 decoded with the same strategies (the decoding configs, as the benchmark runs them) on the same held-out prompts at
 batch 1; the table gives the pass ratio, the passes per later row, the bound n / (passes a row may take): the
-paper's n / (r + 1), or n / max_row_passes for carry with a per-row cap (none for uncapped carry), the tokens kept
-unchecked per image and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime;
+paper's n / (r + 1) (none for carry or the exact rule), the tokens kept unchecked per image and, across worlds, the log-log slope of the ratio against the side (1 = linear in n, the paper's regime;
 0 = flat).
 
     python -m specgen.analysis.grid_scaling \\
@@ -51,20 +50,18 @@ def loglog_slope(sides: list[int], ratios: list[float]) -> float:
 
 
 def row_budget(options: dict) -> int | None:
-    """The most passes a row may take under an ssd.generate option set: r + 1 for the paper's auto-correction,
-    `max_row_passes` for carry with a per-row cap; None for uncapped carry and the exact rule (a pass ends at the
-    first rejection), whose rows have no bound."""
-    if options.get("exact", False):
+    """The most passes a row may take under a strategy's options (`row_passes.decoding_options`): r + 1 for the
+    paper's auto-correction; None for carry and the exact rule (a pass ends at the first rejection), whose rows
+    have no bound."""
+    if options.get("exact", False) or options.get("_target_") != "specgen.decoding.ssd.generate":
         return None
-    if options.get("carry", False):
-        return options.get("max_row_passes")
     return options.get("rounds", 0) + 1
 
 
 def scaling_table(result: dict, options: dict[str, dict]) -> dict:
     """Per strategy: sides, pass ratios, the bound n / (passes a row may take) per side (`row_budget`; None with
-    uncapped carry or the exact rule: their rows have no bound on their passes) and the log-log slope across worlds.
-    `options`: each strategy's ssd.generate options."""
+    carry or the exact rule: their rows have no bound on their passes) and the log-log slope across worlds.
+    `options`: each strategy's options."""
     worlds = sorted(result, key=lambda w: result[w]["side"])
     table = {}
     for name in result[worlds[0]]["strategies"]:

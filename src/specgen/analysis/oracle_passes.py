@@ -15,7 +15,7 @@ Strategies, all from `configs/decoding/ssd.yaml` on the same prompts and per-ima
 - `ssd`: the default (f_phi drafts);
 - `oracle_down`: the default with the oracle drafting the rows below the first (at the target's temperature; the first
   row is f_phi's, horizontally chained, as in the default);
-- `oracle_all`: the oracle drafts every row, and no re-drafts after a change (`redraft: 0`: they are f_phi's);
+- `oracle_all`: the oracle drafts every row, and no re-drafts after a change (no `Redraft` tail: they are f_phi's);
 - `oracle_down_t05` / `_t07` / `_t085`: `oracle_down` with the oracle's drafts drawn at temperature 0.5 / 0.7 / 0.85:
   a perfect drafter made worse by a known amount, so that passes can be read against down acceptance (`accept_down`:
   the rows below the first, each draft at its first judgement).
@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from specgen.analysis.row_passes import add_paired, decoding_options, summarise
+from specgen.analysis.row_passes import add_paired, decoder, decoding_options, summarise
 from specgen.backbones.loading import load_shapes_generator
-from specgen.decoding import ssd
 from specgen.decoding.sampling import inverse_cdf, make_rngs, uniform
+from specgen.decoding.ssd_drafting import Drafting
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
 
@@ -65,38 +64,34 @@ def oracle_row(st, row: int, images: torch.Tensor, temperature: float | None) ->
     return torch.stack(codes, 1), torch.stack(qs, 1)
 
 
-@contextmanager
-def oracle_drafts(rows: str, temperature: float | None = None):
-    """Within the block, SSD's down drafts (`rows="down"`) or every row's drafts (`"all"`) come from `oracle_row` at
-    `temperature` (None: the target's), whatever drafter the decoder is given."""
+def oracle_drafting(rows: str, temperature: float | None = None) -> type:
+    """A `Drafting` class (the decoders' `drafting=` hook) whose down drafts (`rows="down"`) or every row's drafts
+    (`"all"`) come from `oracle_row` at `temperature` (None: the target's), whatever drafter the decoder is given."""
     if rows not in ("down", "all"):
         raise ValueError(f"oracle rows={rows!r}: use 'down' (rows below the first) or 'all'")
-    down, right = ssd._draft_down, ssd._draft_right
 
-    def draft_down(st, drafter, rows_, images=None, draft_temperature=None, left_draft="sequential"):
-        images = torch.arange(st.B, device=rows_.device) if images is None else images
-        if len(set(rows_.tolist())) != 1:
-            raise ValueError(f"the oracle drafts one row at a time; got rows {rows_.tolist()} (decode at batch 1)")
-        return oracle_row(st, int(rows_[0]), images, temperature)
+    class OracleDrafting(Drafting):
+        def down(self, rows_: torch.Tensor, images: torch.Tensor | None = None):
+            images = torch.arange(self.st.B, device=rows_.device) if images is None else images
+            if len(set(rows_.tolist())) != 1:
+                raise ValueError(f"the oracle drafts one row at a time; got rows {rows_.tolist()} (decode at batch 1)")
+            return oracle_row(self.st, int(rows_[0]), images, temperature)
 
-    def draft_right(st, drafter, start, row, draft_temperature=None):
-        return oracle_row(st, row, torch.arange(st.B, device=st.seq.device), temperature)
+        def right(self, row: int):
+            if rows == "down":
+                return super().right(row)
+            return oracle_row(self.st, row, torch.arange(self.st.B, device=self.st.seq.device), temperature)
 
-    ssd._draft_down = draft_down
-    if rows == "all":
-        ssd._draft_right = draft_right
-    try:
-        yield
-    finally:
-        ssd._draft_down, ssd._draft_right = down, right
+    return OracleDrafting
 
 
 def strategies() -> dict[str, tuple[dict, str | None, float | None]]:
-    """name -> (ssd.generate options, oracle rows or None, oracle temperature)."""
+    """name -> (the default's options, oracle rows or None, oracle temperature)."""
     default = decoding_options("ssd")
+    no_redraft = [t for t in default.get("tails", []) if not t["_target_"].endswith(".Redraft")]
     return {"ssd": (default, None, None),
             "oracle_down": (default, "down", None),
-            "oracle_all": ({**default, "redraft": 0}, "all", None),
+            "oracle_all": ({**default, "tails": no_redraft}, "all", None),
             "oracle_down_t05": (default, "down", 0.5),  # a perfect drafter's drafts drawn colder: less acceptance
             "oracle_down_t07": (default, "down", 0.7),
             "oracle_down_t085": (default, "down", 0.85)}
@@ -112,10 +107,11 @@ def oracle_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed:
     for name, (options, rows, temperature) in chosen.items():
         per_image, accept = [], []
         for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
-            run = oracle_drafts(rows, temperature) if rows else nullcontext()
-            with run:
-                _, stats = ssd.generate(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale,
-                                        rngs=make_rngs([seed + i]), **options)
+            fn, kwargs = decoder(options)
+            if rows:
+                kwargs["drafting"] = oracle_drafting(rows, temperature)
+            _, stats = fn(backbone, backbone.prompts([text]), drafter, cfg_scale=cfg_scale, rngs=make_rngs([seed + i]),
+                          **kwargs)
             per_image.append(stats["row_final_pass"][0].float())
             accept.append(stats["accept_map"][0, 1:].float().mean().item())  # rows below the first, first judgement
         passes = torch.stack(per_image).numpy()

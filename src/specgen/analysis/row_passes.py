@@ -16,11 +16,12 @@ the pass finalised one token. The share of such passes, that token's change rate
 carried tokens by their distance from the window's first token (json, printout and a third panel) say how much of
 the passes such chains take.
 The strategies are the decoding configs `ssd` (the default) and `ssd_paper` as the benchmark runs them
-(`--strategy NAME` picks others); `--variant NAME=key:value,...` replaces the two strategies by `ssd.generate`
-option sets (values parsed as YAML), e.g. `--variant carry=rounds:0,carry:true,max_window_rows:2
---variant dt05=rounds:0,carry:true,max_window_rows:2,draft_temperature:0.5`: every variant on the same prompts and
-per-image seeds. A variant's `drafter:PATH` decodes it with that exported drafter instead of --drafter, so that
-two drafters are compared on the same prompts and seeds (`--strategy ssd --variant new=...,drafter:checkpoints/x`).
+(`--strategy NAME` picks others); `--variant NAME=key:value,...` adds a strategy: the options of the decoding config
+named by its `base` (default `ssd`) with the keys given replaced (values parsed as YAML), e.g.
+`--variant dt1=draft_temperature:null --variant notail=tails:[] --variant r1=base:ssd_paper,rounds:1`: every
+strategy on the same prompts and per-image seeds. A variant's `drafter:PATH` decodes it with that exported drafter
+instead of --drafter, so that two drafters are compared on the same prompts and seeds
+(`--strategy ssd --variant new=drafter:checkpoints/x`).
 Every strategy after the first also gets its paired difference of passes per image against the first (mean and 95%
 interval over the same prompts and seeds: tighter than comparing two intervals).
 """
@@ -33,11 +34,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from specgen.backbones.loading import load_shapes_generator
-from specgen.decoding import ssd
+from specgen.decoding import ssd, ssd_carry
 from specgen.decoding.sampling import make_rngs
 from specgen.evaluation.benchmarks import mixed_prompts
 from specgen.utils.checkpoints import atomic_write_text, load_exported
@@ -48,9 +50,13 @@ from specgen.utils.stats import mean_ci95
 DEFAULT_STRATEGIES = ("ssd", "ssd_paper")  # the repo's default and the paper's rule (configs/decoding/<name>.yaml)
 
 
+DECODERS = {"specgen.decoding.ssd.generate": ssd.generate, "specgen.decoding.ssd_carry.generate": ssd_carry.generate}
+
+
 def decoding_options(name: str) -> dict:
-    """The `ssd.generate` options of the decoding config `configs/decoding/<name>.yaml` (its `defaults` chain
-    merged), without the drafter and the sampling settings given per run: what the benchmark runs."""
+    """The options of the SSD decoding config `configs/decoding/<name>.yaml` (its `defaults` chain merged), its
+    `_target_` (the decoder) included, without the drafter and the sampling settings given per run: what the
+    benchmark runs. Objects (`tails`, `acceptance`) stay configs; `decoder` builds them."""
     path = Path(CONFIG_DIR) / "decoding" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("ssd*.yaml"))
@@ -59,31 +65,41 @@ def decoding_options(name: str) -> dict:
     base = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]
     merged = OmegaConf.merge(*(OmegaConf.create({"fn": decoding_options(b)}) for b in base), cfg)
     fn = OmegaConf.to_container(merged.fn, resolve=False)
-    if fn.pop("_target_", "specgen.decoding.ssd.generate") != "specgen.decoding.ssd.generate":
-        raise ValueError(f"decoding config {name!r} is not an SSD strategy (its fn is not ssd.generate)")
+    if fn.get("_target_") not in DECODERS:
+        raise ValueError(f"decoding config {name!r} is not an SSD strategy (its fn is {fn.get('_target_')!r}, "
+                         f"not one of {sorted(DECODERS)})")
     for key in ("_partial_", "drafter", "cfg_scale", "temperature", "top_k"):
         fn.pop(key, None)
     return fn
 
 
+def decoder(options: dict):
+    """(decode function, keyword options) of a strategy's options: the `_target_` decoder, its object options
+    (`tails`, `acceptance`: configs with a `_target_`) built fresh."""
+    options = dict(options)
+    fn = DECODERS[options.pop("_target_")]
+    return fn, {k: instantiate(v) if isinstance(v, (dict, list)) else v for k, v in options.items()}
+
+
 def config_strategies(names=DEFAULT_STRATEGIES) -> dict[str, dict]:
-    """name -> ssd.generate options, read from the decoding configs."""
+    """name -> SSD options (`decoding_options`), read from the decoding configs."""
     return {name: decoding_options(name) for name in names}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """'name=key:value,key:value' -> (name, options); values are YAML scalars (0, true, null, 0.5)."""
+    """'name=key:value,key:value' -> (name, options): the options of decoding config `base` (default `ssd`) with
+    the keys given replaced; values are YAML (0, true, null, 0.5, [])."""
     name, sep, body = text.partition("=")
     if not sep or not name:
-        raise ValueError(f"--variant {text!r}: write NAME=key:value,key:value (e.g. dt05=rounds:0,carry:true,"
-                         f"draft_temperature:0.5)")
+        raise ValueError(f"--variant {text!r}: write NAME=key:value,key:value (e.g. dt1=draft_temperature:null or "
+                         f"r1=base:ssd_paper,rounds:1)")
     options = {}
     for item in filter(None, body.split(",")):
         key, sep, value = item.partition(":")
         if not sep:
             raise ValueError(f"--variant {text!r}: {item!r} is not key:value")
         options[key.strip()] = yaml.safe_load(value)
-    return name, options
+    return name, {**decoding_options(options.pop("base", "ssd")), **options}
 
 
 @torch.no_grad()
@@ -100,10 +116,11 @@ def row_passes(backbone, drafter, prompts: list[str], cfg_scale: float, seed: in
         net = drafter if path is None else drafters[path]
         rows, unchecked, cascades = [], [], []
         for i, text in enumerate(tqdm(prompts, desc=name, unit="img")):
-            _, stats = ssd.generate(backbone, backbone.prompts([text]), net, cfg_scale=cfg_scale,
-                                    rngs=make_rngs([seed + i]), **options)
+            fn, kwargs = decoder(options)
+            _, stats = fn(backbone, backbone.prompts([text]), net, cfg_scale=cfg_scale, rngs=make_rngs([seed + i]),
+                          **kwargs)
             rows.append(stats["row_final_pass"][0].float())
-            unchecked.append(float(stats["unchecked_tokens"][0]))
+            unchecked.append(float(stats["unchecked_tokens"][0]) if "unchecked_tokens" in stats else 0.0)  # carry: 0
             if "change_by_distance" in stats:  # the carry window's pass statistics
                 cascades.append({k: stats[k] for k in ("single_token_passes", "after_change_rate",
                                                        "change_by_distance")})
@@ -202,8 +219,8 @@ def add_world_args(ap: argparse.ArgumentParser, prompts: int) -> None:
                     help="an SSD decoding config (configs/decoding/NAME.yaml) instead of ssd and ssd_paper "
                          "(repeatable)")
     ap.add_argument("--variant", action="append", default=None, metavar="NAME=key:value,...",
-                    help="an ssd.generate option set instead of the two default strategies, after the --strategy "
-                         "ones (repeatable)")
+                    help="a decoding config's options with some replaced (base:NAME picks the config, default ssd), "
+                         "instead of the two default strategies, after the --strategy ones (repeatable)")
 
 
 def load_world(args: argparse.Namespace) -> tuple:

@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specgen.analysis.row_passes import add_world_args, decoding_options, load_world
-from specgen.decoding import ar, ssd
+from specgen.analysis.row_passes import add_world_args, decoder, decoding_options, load_world
+from specgen.decoding import ar
 from specgen.decoding.sampling import make_rngs
 from specgen.decoding.state import SpecState
 from specgen.utils.checkpoints import atomic_write_text
@@ -60,7 +60,7 @@ def token_logprobs(backbone, prompts, codes: torch.Tensor, cfg_scale: float, tem
 @torch.no_grad()
 def sample_logprobs(backbone, drafter, prompts: list[str], cfg_scale: float, seed: int, options: dict | None,
                     batch_size: int) -> torch.Tensor:
-    """Decode every prompt (AR when `options` is None, else ssd.generate with them) and score the samples:
+    """Decode every prompt (AR when `options` is None, else the SSD decoder of those options) and score the samples:
     (2, N, H, W) log-probabilities and entropies."""
     out = []
     for i in range(0, len(prompts), batch_size):
@@ -70,7 +70,8 @@ def sample_logprobs(backbone, drafter, prompts: list[str], cfg_scale: float, see
         if options is None:
             codes, _ = ar.generate(backbone, pr, cfg_scale=cfg_scale, rngs=rngs)
         else:
-            codes, _ = ssd.generate(backbone, pr, drafter, cfg_scale=cfg_scale, rngs=rngs, **options)
+            fn, kwargs = decoder(options)
+            codes, _ = fn(backbone, pr, drafter, cfg_scale=cfg_scale, rngs=rngs, **kwargs)
         out.append(token_logprobs(backbone, pr, codes, cfg_scale))
         print(f"  {i + len(texts)}/{len(prompts)} images", flush=True)
     return torch.cat(out, 1)

@@ -1,6 +1,6 @@
 """Where SSD's wall clock goes at batch 1, against AR's, on the machine it runs on.
 
-Every target forward is timed with the positions it feeds, every draft call (the first row's right chain, the down
+Every target forward is timed with the positions it feeds (through the decoders' `trace` hook), every draft call (the first row's right chain, the down
 rows, the re-drafts, the reweighted tokens after a change) with its own clock, and the rest of a decode
 (verification: the target's distributions, the accept/resample draws, the window's bookkeeping) is what remains of
 its wall time. From all timed forwards of all strategies a per-pass cost model is fitted by least squares:
@@ -31,79 +31,47 @@ import argparse
 import collections
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specgen.analysis.row_passes import add_world_args, config_strategies, load_world
-from specgen.decoding import ar, ssd, ssd_tail
+from specgen.analysis.row_passes import add_world_args, config_strategies, decoder, load_world
+from specgen.decoding import ar
+from specgen.decoding.trace import Trace
 from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_write_text
 
-DRAFT_CALLS = ((ssd, "_draft_right"), (ssd, "_draft_down"), (ssd_tail, "redraft"), (ssd_tail, "reweight"))
-
-
-class Clock:
-    """Timed target forwards (positions fed, rows, seconds, whether it was a prefill) and the seconds spent drafting."""
+class Clock(Trace):
+    """A trace that times target forwards (positions fed, rows, seconds, whether it was a prefill) and the seconds
+    spent drafting (regions nest: a draft inside a draft counts once)."""
 
     def __init__(self):
         self.forwards: list[tuple[int, int, float, bool]] = []
-        self.draft_s = 0.0
+        self.draft_s, self._open = 0.0, []
 
     def reset(self):
         self.forwards, self.draft_s = [], 0.0
 
+    def enter(self, kind: str, info: dict) -> None:
+        self._open.append(time.perf_counter())
 
-@contextmanager
-def wrapped(backbone, forward_wrapper, draft_wrapper):
-    """Within the block, `backbone.forward_embeds` is `forward_wrapper(forward)` and each of SSD's draft functions
-    `draft_wrapper(fn)`; the originals are back after it."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name in DRAFT_CALLS]
-    backbone.forward_embeds = forward_wrapper(backbone.forward_embeds)
-    for owner, name, fn in saved:
-        setattr(owner, name, draft_wrapper(fn))
-    try:
-        yield
-    finally:
-        del backbone.forward_embeds  # the instance attribute: the class method is back
-        for owner, name, fn in saved:
-            setattr(owner, name, fn)
-
-
-@contextmanager
-def clocked(backbone, clock: Clock):
-    """Time `backbone.forward_embeds` and SSD's draft functions for the duration of the block."""
-    def timed_forward(forward):
-        def wrapper(embeds, slots, *args, **kwargs):
-            t = time.perf_counter()
-            out = forward(embeds, slots, *args, **kwargs)
-            prefill = int(slots.min()) == 0  # a decode's first forward feeds the prompt from slot 0
-            clock.forwards.append((embeds.shape[1], embeds.shape[0], time.perf_counter() - t, prefill))
-            return out
-        return wrapper
-
-    def timed(fn):
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                clock.draft_s += time.perf_counter() - t
-        return wrapper
-
-    with wrapped(backbone, timed_forward, timed):
-        yield clock
+    def exit(self, kind: str, info: dict) -> None:
+        seconds = time.perf_counter() - self._open.pop()
+        if kind == "target":
+            self.forwards.append((info["positions"], info["rows"], seconds, info["prefill"]))
+        elif kind == "draft" and not self._open:
+            self.draft_s += seconds
 
 
 def decoders(backbone, drafter, cfg_scale: float, strategies: dict[str, dict]) -> dict:
-    """name -> decode(prompts, rngs): AR first, then `ssd.generate` with each strategy's options."""
-    out = {"ar": lambda p, rngs: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs)}
+    """name -> decode(prompts, rngs, trace): AR first, then each strategy's SSD decoder with its options."""
+    out = {"ar": lambda p, rngs, trace: ar.generate(backbone, p, cfg_scale=cfg_scale, rngs=rngs, trace=trace)}
     for name, options in strategies.items():
-        out[name] = (lambda o: lambda p, rngs: ssd.generate(backbone, p, drafter, cfg_scale=cfg_scale,
-                                                            rngs=rngs, **o))(options)
+        fn, kwargs = decoder(options)
+        out[name] = (lambda f, o: lambda p, rngs, trace: f(backbone, p, drafter, cfg_scale=cfg_scale, rngs=rngs,
+                                                           trace=trace, **o))(fn, kwargs)
     return out
 
 
@@ -115,20 +83,19 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     clock = Clock()
     decode_by = decoders(backbone, drafter, cfg_scale, strategies)
     acc = {name: {"wall": 0.0, "draft": 0.0, "passes": [], "fed": [], "forwards": []} for name in decode_by}
-    with clocked(backbone, clock):
-        for name, decode in decode_by.items():
-            decode(backbone.prompts(prompts[:1]), make_rngs([seed]))  # warm-up
-        for i, text in enumerate(prompts):  # interleaved: every strategy on a prompt before the next prompt, so that
-            for name, decode in decode_by.items():  # a drift of the machine's speed falls on all of them alike
-                clock.reset()
-                t = time.perf_counter()
-                _, stats = decode(backbone.prompts([text]), make_rngs([seed + i]))
-                a = acc[name]
-                a["wall"] += time.perf_counter() - t
-                a["draft"] += clock.draft_s
-                a["forwards"] += clock.forwards
-                a["passes"].append(stats["nfe"])
-                a["fed"].append(float(stats["tokens_fed"][0]))
+    for name, decode in decode_by.items():
+        decode(backbone.prompts(prompts[:1]), make_rngs([seed]), clock)  # warm-up
+    for i, text in enumerate(prompts):  # interleaved: every strategy on a prompt before the next prompt, so that
+        for name, decode in decode_by.items():  # a drift of the machine's speed falls on all of them alike
+            clock.reset()
+            t = time.perf_counter()
+            _, stats = decode(backbone.prompts([text]), make_rngs([seed + i]), clock)
+            a = acc[name]
+            a["wall"] += time.perf_counter() - t
+            a["draft"] += clock.draft_s
+            a["forwards"] += clock.forwards
+            a["passes"].append(stats["nfe"])
+            a["fed"].append(float(stats["tokens_fed"][0]))
     out, n = {}, len(prompts)
     for name, a in acc.items():
         target = sum(f[2] for f in a["forwards"])  # prefills included: they are part of each decode
@@ -150,32 +117,32 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Regions(Trace):
+    """A trace that keeps the stack of open region kinds ("other" outside every region) for `_OpCounter`."""
+
+    def __init__(self):
+        self.stack = ["other"]
+
+    def enter(self, kind: str, info: dict) -> None:
+        self.stack.append(kind)
+
+    def exit(self, kind: str, info: dict) -> None:
+        self.stack.pop()
+
+
 @torch.inference_mode()
 def count_ops(backbone, drafter, prompt: str, cfg_scale: float, strategies: dict[str, dict], seed: int = 0) -> dict:
     """Per strategy (AR first), the aten ops one image's decode dispatches: in target forwards, in drafting, and the
     rest (verification and bookkeeping), with its passes. On a CPU a small op costs a few microseconds whatever its
     size, so for a model this small the op counts explain much of the wall clock that positions fed do not."""
-    regions = ["other"]
-
-    def region(label):
-        def wrap(fn):
-            def wrapper(*args, **kwargs):
-                regions.append(label)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    regions.pop()
-            return wrapper
-        return wrap
-
+    regions = _Regions()
     out = {}
-    with wrapped(backbone, region("target"), region("draft")):
-        for name, decode in decoders(backbone, drafter, cfg_scale, strategies).items():
-            with _OpCounter(regions) as counter:
-                _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]))
-            c = counter.counts
-            out[name] = {"target": c["target"], "draft": c["draft"], "other": c["other"],
-                         "total": sum(c.values()), "passes": int(stats["nfe"])}
+    for name, decode in decoders(backbone, drafter, cfg_scale, strategies).items():
+        with _OpCounter(regions.stack) as counter:
+            _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]), regions)
+        c = counter.counts
+        out[name] = {"target": c["target"], "draft": c["draft"], "other": c["other"],
+                     "total": sum(c.values()), "passes": int(stats["nfe"])}
     return out
 
 

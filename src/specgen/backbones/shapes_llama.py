@@ -193,7 +193,7 @@ class ShapesLlama(nn.Module):
         return self
 
     def code_embeddings(self) -> torch.Tensor:
-        """The attached tokenizer's codebook (num_visual, d): the latent space of `acceptance=latent`."""
+        """The attached tokenizer's codebook (num_visual, d): the latent space of acceptance `Latent`."""
         if self.tokenizer is None:
             raise RuntimeError("no tokenizer attached: call backbone.attach_tokenizer(load_exported(<vq folder>))")
         return self.tokenizer.quantizer.codebook

@@ -10,6 +10,7 @@ import torch
 from specgen.backbones.protocol import DiscreteBackbone, Prompts, embed_image
 from specgen.decoding.sampling import guided_logits, sample
 from specgen.decoding.state import prompt_rows
+from specgen.decoding.trace import Trace, or_silent
 from specgen.utils.validate import expect_float
 
 
@@ -22,13 +23,13 @@ def visual_logits(backbone: DiscreteBackbone, hidden: torch.Tensor, cfg_scale: f
 def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.0,
              temperature: float = 1.0, top_k: int | None = None,
              rngs: list[torch.Generator] | None = None, use_cache: bool = True,
-             cfg_rows: bool | None = None, static_cache: bool = False):
+             cfg_rows: bool | None = None, static_cache: bool = False, trace: Trace | None = None):
     """Sample visual codes (B, H, W) for a batch of prompts. Returns (codes, stats).
 
     `cfg_rows` forces (True) or drops (False) the unconditional rows; by default they run iff
     cfg_scale != 1. `static_cache`: decode into the backbone's preallocated cache where it has one (AR never rolls
     back, so an append-only cache works). `use_cache=False` is the reference path: the whole sequence is fed again
-    at every step.
+    at every step. `trace`: a `decoding.trace.Trace` told of every target forward.
     """
     expect_float("cfg_scale", cfg_scale, 0.0)
     expect_float("temperature", temperature, 0.0)
@@ -39,8 +40,10 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.
     cache = backbone.new_cache(rows, static=static_cache) if use_cache else None
     prompt = backbone.embed_tokens(rows.ids)  # (B', P, D)
     seq = prompt
-    hidden = backbone.forward_embeds(prompt, torch.arange(rows.length, device=device),
-                                     cache if use_cache else backbone.new_cache(rows))[:, -1]  # prefill
+    trace = or_silent(trace)
+    with trace.region("target", positions=rows.length, rows=prompt.shape[0], prefill=True):
+        hidden = backbone.forward_embeds(prompt, torch.arange(rows.length, device=device),
+                                         cache if use_cache else backbone.new_cache(rows))[:, -1]  # prefill
     nfe, fed = 1, 0
     codes = torch.empty(B, g.height, g.width, dtype=torch.long, device=device)
     for r in range(g.height):
@@ -54,13 +57,14 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float = 1.
                 feed.append(torch.full_like(tok, g.eol_token))  # forced: rides along in the same pass
             embeds = embed_image(backbone, torch.stack(feed, dim=1).repeat(reps, 1))  # (B', n, D)
             start = g.position(r, c)
-            if use_cache:
-                pos = torch.arange(start, start + embeds.shape[1], device=device)
-                hidden = backbone.forward_embeds(embeds, pos, cache)[:, -1]
-            else:  # reference path: recompute the whole prefix every step, into a fresh cache
-                seq = torch.cat([seq, embeds], dim=1)
-                pos = torch.arange(seq.shape[1], device=device)
-                hidden = backbone.forward_embeds(seq, pos, backbone.new_cache(rows))[:, -1]
+            with trace.region("target", positions=embeds.shape[1], rows=embeds.shape[0], prefill=False):
+                if use_cache:
+                    pos = torch.arange(start, start + embeds.shape[1], device=device)
+                    hidden = backbone.forward_embeds(embeds, pos, cache)[:, -1]
+                else:  # reference path: recompute the whole prefix every step, into a fresh cache
+                    seq = torch.cat([seq, embeds], dim=1)
+                    pos = torch.arange(seq.shape[1], device=device)
+                    hidden = backbone.forward_embeds(seq, pos, backbone.new_cache(rows))[:, -1]
             nfe += 1
             fed += embeds.shape[1]
     # tokens_fed: image positions fed to the target after the prefill, per image (what a pass's compute follows)

@@ -11,7 +11,8 @@ import torch
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.sampling import sample_probs
 from specgen.decoding.spec1d import speculate
-from specgen.decoding.state import SpecState, check_drafter, fit_drafter
+from specgen.decoding.state import SpecState
+from specgen.drafters.protocol import check_drafter, fit_drafter
 from specgen.utils.validate import expect_float
 
 

@@ -112,7 +112,7 @@ def code_neighbours(embeddings: torch.Tensor, k: int) -> torch.Tensor:
     (V, k) ids (Euclidean distance; for a cosine codebook of unit vectors the same order as cosine similarity)."""
     V = embeddings.shape[0]
     if not 1 <= k < V:
-        raise ValueError(f"latent_k={k}: a code has {V - 1} other codes; use 1 <= latent_k <= {V - 1}")
+        raise ValueError(f"k={k} neighbours: a code has {V - 1} other codes; use 1 <= k <= {V - 1} (acceptance Latent)")
     e = embeddings.detach().float()
     out = []
     for start in range(0, V, 1024):  # blocks of rows: Emu3's 32k codes would need a 4 GB distance matrix at once

@@ -1,5 +1,6 @@
-"""A down row of SSD drafted column by column with a left-context drafter (`ssd._draft_down_left`): each column from
-the previous column's draft, by fixed-point iteration (the default) or one drafter call per column (the reference)."""
+"""A down row of SSD drafted column by column with a left-context drafter (`ssd_drafting.Drafting.down`): each column
+from the previous column's draft, by fixed-point iteration (`draft_columns`) or one drafter call per column (the
+reference the tests hold it against, `draft_columns_loop`)."""
 from __future__ import annotations
 
 import torch
@@ -8,22 +9,20 @@ from specgen.decoding.state import SpecState
 
 
 def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
-                  table: torch.Tensor, u: torch.Tensor, draft_temperature: float | None, guess: torch.Tensor,
-                  solver: str = "fixed_point") -> tuple[torch.Tensor, torch.Tensor]:
+                  table: torch.Tensor, u: torch.Tensor, draft_temperature: float | None,
+                  guess: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A down row drafted column by column, each column from the previous column's draft: trunk (S', W, width) and
     states above (S', W, D) of the rows' CFG streams, the k tokens before column 0 (S', k), the left maps' table, the
     columns' uniform draws (S, W) and a guess of the row (S, W). Each draw is made from the warped distribution as
     `inverse_cdf` makes it, so the row is a fixed function of the draws: x_c = F_c(u_c, x_{c-k}, ..., x_{c-1}).
 
-    `solver="fixed_point"` (the default) finds that row by fixed-point (Jacobi) iteration: every column at once, each
+    It finds that row by fixed-point (Jacobi) iteration: every column at once, each
     from the guess of its left tokens (the caller's: the tokens above them), then again from the drafts just made,
     recomputing only the columns right of the first draft that differs from what was assumed, until none differs.
     The columns up to that first difference read only left tokens that were right, so each call settles at least one
     more column and the row is done within W calls; at the end every draft was drawn given its final left tokens, so
     the row and its proposals are the loop's (up to the rounding of products over more rows at once) in a few calls
-    instead of W. `solver="loop"`: one call per column (the reference; `left_draft: sequential_loop`)."""
-    if solver == "loop":
-        return _draft_columns_loop(st, drafter, trunk, hidden, before, table, u, draft_temperature)
+    instead of W (`draft_columns_loop`: one call per column)."""
     reps, k = st.reps, table.shape[0]
     S, W = u.shape
     trunks = trunk.reshape(reps, S, W, -1)  # (reps, S, W, width)
@@ -51,7 +50,7 @@ def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Ten
     return buf[:, k:], q
 
 
-def _draft_columns_loop(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
+def draft_columns_loop(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Tensor, before: torch.Tensor,
                         table: torch.Tensor, u: torch.Tensor,
                         draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`draft_columns` one column at a time (W drafter calls). This loop issues as few tensor ops as it can: the

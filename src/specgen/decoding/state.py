@@ -3,54 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from specgen.backbones.protocol import DiscreteBackbone, Prompts, PromptRows, embed_image, weights_part
+from specgen.backbones.protocol import DiscreteBackbone, Prompts, PromptRows, embed_image
 from specgen.decoding.sampling import guide, guided_logits, probs
+from specgen.decoding.trace import Trace, or_silent
 from specgen.utils.validate import expect_float
-
-
-def check_drafter(backbone: DiscreteBackbone, drafter, needs: tuple[str, ...] = ()) -> None:
-    """A drafter must fit the backbone it serves: same width, distilled from the same weights (hence the
-    same token layout and row stride), and it must predict the offsets the decoder asks for. Errors name the
-    drafter's kind and the experiment that distils the right one."""
-    have = getattr(drafter, "directions", None)
-    if have and all(d.startswith("ahead_") for d in have):
-        kind, experiment = "an MTP checkpoint (1D multi-token heads)", "train/mtp_shapes"
-    elif getattr(drafter, "predicts", "hidden") == "tokens":
-        kind, experiment = "a token-id drafter (the f_phi ablation)", "train/fphi_tokens_shapes"
-    else:
-        kind, experiment = "an f_phi (SSD) drafter", "train/fphi_shapes"
-    retrain = f"python -m specgen.train experiment={experiment} data.backbone_dir=<backbone folder>"
-    width = getattr(drafter, "hidden_size", None)
-    if width is not None and width != backbone.hidden_size:
-        raise ValueError(f"the drafter ({kind}) works on hidden states of width {width} but the backbone's are "
-                         f"{backbone.hidden_size}: distil one for this backbone ({retrain})")
-    trained_on, using = getattr(drafter, "backbone_id", ""), weights_part(backbone.identity)
-    if trained_on and using and using != trained_on:
-        raise ValueError(f"the drafter ({kind}) was distilled from backbone weights {trained_on!r} but the backbone "
-                         f"in use is {using!r} (another model, or another row layout): distil it again "
-                         f"on this backbone ({retrain})")
-    missing = [d for d in needs if have is not None and d not in have]
-    if not missing:
-        return
-    if experiment == "train/mtp_shapes":  # 1D heads where SSD's right/down drafter belongs
-        raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not an SSD drafter: decode with it "
-                         f"as decoding=mtp1d, or give this decoder an f_phi folder (checkpoints/fphi_shapes; "
-                         f"python -m specgen.train experiment=train/fphi_shapes)")
-    if all(d.startswith("ahead_") for d in needs):  # an SSD drafter where multi-token heads belong
-        raise ValueError(f"the drafter is {kind}, predicting {list(have)}, not multi-token heads: decode with it "
-                         f"as decoding=ssd, or give decoding=mtp1d an MTP folder (checkpoints/mtp_shapes; "
-                         f"python -m specgen.train experiment=train/mtp_shapes)")
-    raise ValueError(f"this decoder drafts {list(needs)} but the drafter predicts only {list(have)}: "
-                     f"use a drafter with directions {list(needs)} or the horizontal-only mode (vertical=false)")
-
-
-def fit_drafter(backbone: DiscreteBackbone, drafter):
-    """The drafter on the backbone's device and in its dtype (a drafter loads on CPU in fp32; a real backbone runs
-    in bf16 on a GPU). A no-op where they already agree."""
-    param = next(iter(drafter.parameters()), None) if hasattr(drafter, "parameters") else None
-    if param is not None and (param.device != backbone.device or param.dtype != backbone.dtype):
-        drafter.to(device=backbone.device, dtype=backbone.dtype)
-    return drafter
 
 
 class StateWindow:
@@ -62,12 +18,6 @@ class StateWindow:
         self.buf = torch.zeros(rows, 0, width, device=device, dtype=dtype)  # (B', n, D) slots [base, base + n)
         self.base = self.floor = 0
         self.peak_slots = 0  # the most slots held at once (a memory bound tests check)
-
-    def put(self, rows: torch.Tensor, slot: int, states: torch.Tensor) -> None:
-        """Overwrite the state at `slot` (already computed) of rows `rows` (R,) with `states` (R, D)."""
-        if not self.base <= slot < self.base + self.buf.shape[1]:
-            raise RuntimeError(f"slot {slot} is not held (slots [{self.base}, {self.base + self.buf.shape[1]}))")
-        self.buf[rows, slot - self.base] = states.to(self.buf.dtype)
 
     def release(self, slot: int) -> None:
         """States below `slot` are no longer needed."""
@@ -118,7 +68,7 @@ class SpecState:
     feeds them without knowing they exist."""
 
     def __init__(self, backbone: DiscreteBackbone, prompts: Prompts, cfg_scale: float,
-                 temperature: float, top_k: int | None, rngs):
+                 temperature: float, top_k: int | None, rngs, trace: Trace | None = None):
         expect_float("cfg_scale", cfg_scale, 0.0)  # 0 = unconditional, 1 = conditional, > 1 guided
         self.bb = backbone
         self.cfg_scale, self.temperature, self.top_k, self.rngs = cfg_scale, temperature, top_k, rngs
@@ -135,7 +85,8 @@ class SpecState:
         self.cached = 0  # cache positions [0, cached) hold the current tokens
         self.nfe = self.draft_calls = 0
         self.fed = 0  # image positions fed to the target after the prefill (each pass feeds them to every image)
-        self.memo: dict = {}  # values a decoder computes once per generation (a drafter's lookup tables)
+        self.trace = or_silent(trace)  # where target forwards and drafter calls are reported (`decoding.trace`)
+        self._embed_table: torch.Tensor | None = None  # every image token's embedding, once per generation (`embed`)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings of image tokens (any shape). Where every image token's embedding fits in a small table
@@ -143,41 +94,24 @@ class SpecState:
         looked up: a window with an end-of-row token would otherwise embed visual and forced tokens apart and merge
         them, a dozen small ops each pass. A real backbone's codebook (16k-33k codes at width 2k-4k) is embedded per
         call."""
-        table = self.memo.get("embed_table")
-        if table is None:
+        if self._embed_table is None:
             g = self.g
             n = g.num_visual + len(g.forced_ids)
             if n * self.bb.hidden_size > EMBED_TABLE_MAX:
                 return embed_image(self.bb, tokens)
-            table = self.memo["embed_table"] = embed_image(self.bb, torch.arange(n, device=self.seq.device))
-        return table[tokens]
+            self._embed_table = embed_image(self.bb, torch.arange(n, device=self.seq.device))
+        return self._embed_table[tokens]
 
-    def target_pass(self, end: int, siblings: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive).
-        `siblings` (slots (B, k), tokens (B, k)): alternative tokens fed in the same pass, each at its slot's position
-        and seeing only the tokens before that slot (nothing sees them; their cache entries are dropped): returns
-        their states (B', k, D), the states after each alternative, or None when no pass ran or none was asked."""
+    def target_pass(self, end: int) -> None:
+        """Roll back to the last valid cache entry and feed the current tokens up to `end` (exclusive); no pass when
+        the cache already holds them."""
         if self.cached >= end:  # nothing changed that a later state depends on: no pass needed
-            return None
+            return
         self.bb.rollback(self.cache, self.cached)
         start, embeds, pos = self.pass_inputs(end)
-        if siblings is None or start < self.g.prefix_len:
-            self.pass_done(start, self.bb.forward_embeds(embeds, pos, self.cache))
-            return None
-        slots, tokens = (t.repeat(self.reps, 1) for t in siblings)  # (B', k)
-        n, k = pos.numel(), slots.shape[1]
-        keys = torch.arange(start + n + k, device=pos.device)
-        main = (keys[None, :] <= pos[:, None]).expand(slots.shape[0], -1, -1)  # (B', n, keys): causal
-        own = keys[None, None, :] == (start + n + torch.arange(k, device=pos.device))[None, :, None]
-        alt = (keys[None, None, :] < slots[..., None]) | own  # (B', k, keys): the slots before its own, and itself
-        allowed = torch.cat([main, alt], 1)
-        mask = torch.zeros(allowed.shape, dtype=self.bb.dtype, device=pos.device)
-        mask = mask.masked_fill(~allowed, torch.finfo(self.bb.dtype).min)[:, None]
-        hidden = self.bb.forward_embeds(torch.cat([embeds, self.embed(tokens)], 1),
-                                        torch.cat([pos.expand(slots.shape[0], -1), slots], 1), self.cache, mask)
-        self.bb.rollback(self.cache, start + n)  # the alternatives' entries: no later token may see them
-        self.pass_done(start, hidden[:, :n])
-        return hidden[:, n:]
+        with self.trace.region("target", positions=pos.numel(), rows=embeds.shape[0], prefill=start == 0):
+            hidden = self.bb.forward_embeds(embeds, pos, self.cache)
+        self.pass_done(start, hidden)
 
     def pass_inputs(self, end: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """What a pass up to `end` feeds: (first slot, embeddings (B', n, D), slots (n,)), from the last valid cache

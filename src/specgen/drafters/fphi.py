@@ -91,6 +91,8 @@ def _direction_mlps(in_size: int, out_size: int, hidden_size: int, preset: str, 
 class FPhi(nn.Module):
     """Two-direction hidden-state predictor; each direction is a residual MLP over [h_q, e(x_{q+1})]."""
 
+    predicts = "hidden"  # a pre-norm state, decoded by the backbone's own head (`drafters.protocol.Drafter`)
+
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = "",
                  context_kernel: int | None = None, left_context: bool = False, left_tokens: int = 1,
@@ -210,7 +212,8 @@ class TokenDrafter(nn.Module):
     (there is no state to regress). SSD's paper reports that such token-space drafts are rarely accepted.
     """
 
-    predicts = "tokens"
+    predicts = "tokens"  # visual-code logits (`drafters.protocol.Drafter`)
+    left_context, left_tokens = False, 0
 
     def __init__(self, hidden_size: int, num_codes: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = ""):

@@ -11,6 +11,11 @@ from specgen.drafters.fphi import _Block
 
 
 class MTPHeads(nn.Module):
+    """Heads predicting the pre-norm states 1..K positions ahead (`drafters.protocol.Drafter`)."""
+
+    predicts = "hidden"
+    left_context, left_tokens = False, 0
+
     def __init__(self, hidden_size: int, num_heads: int = 4, blocks: int = 1, backbone_id: str = ""):
         super().__init__()
         if num_heads < 1:

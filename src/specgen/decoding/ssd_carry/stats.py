@@ -1,4 +1,4 @@
-"""Where the carry window's passes go (`ssd_window.CarryWindow`), per image: tokens judged fresh (proposal q) or
+"""Where the carry window's passes go (`ssd_carry.window.CarryWindow`), per image: tokens judged fresh (proposal q) or
 carried (proposal: the last p) and how many of each changed, tokens finalised, passes whose first change fell on a
 fresh draft, cascades (passes that finalised only their first token), and change rates by distance from the
 window's first token."""
@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import torch
 
-KEYS = ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed",
-        "unchecked", "single", "after", "after_changed", "sibling_hits")
+KEYS = ("fresh", "fresh_changed", "carried", "carried_changed", "finalised", "first_on_fresh", "changed", "single",
+        "after", "after_changed")
 
 
 class PassStats:
-    """Per-image counts of B images on rows of `width` tokens; `counts[key][b]` may also be added to directly (a
-    sibling's judgement, tokens kept by a row cap)."""
+    """Per-image counts of B images on rows of `width` tokens."""
 
     def __init__(self, B: int, width: int, device):
         self.counts = {k: torch.zeros(B, device=device) for k in KEYS}
@@ -73,6 +72,4 @@ class PassStats:
                 "first_change_fresh": div(c["first_on_fresh"], c["changed"]),
                 "single_token_passes": div(c["single"], n),
                 "after_change_rate": div(c["after_changed"], c["after"]),
-                "change_by_distance": self.by_distance.clone(),
-                "unchecked_tokens": c["unchecked"].clone(),
-                "sibling_hits": div(c["sibling_hits"], n)}
+                "change_by_distance": self.by_distance.clone()}

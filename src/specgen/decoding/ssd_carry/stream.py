@@ -1,4 +1,4 @@
-"""SSD with carry over a stream of prompts: continuous batching (`ssd.generate(..., slots=S)`).
+"""SSD with carry over a stream of prompts: continuous batching (`ssd_carry.generate(..., slots=S)`).
 
 In a fixed batch every image progresses on its own rows, but the batch's passes are its slowest image's: an image
 that is done idles until the last one is. Here the prompts are a queue and at most `slots` images are in flight;
@@ -13,14 +13,14 @@ feeds, prompts included); `image_passes` (per image) the forwards each image too
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from typing import Callable
 
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
-from specgen.decoding.ssd_rule import CarryRule
-from specgen.decoding.ssd_window import CarryWindow
+from specgen.decoding.ssd_carry.window import CarryWindow
 from specgen.decoding.state import SpecState
+from specgen.decoding.trace import Trace, or_silent
 from specgen.utils.validate import expect_int
 
 
@@ -28,89 +28,80 @@ class _SlotState(SpecState):
     """A stream image's state: its target passes run in the stream's shared forwards, never alone."""
 
     def target_pass(self, end: int) -> None:
-        raise RuntimeError("a stream image's passes run through the stream (ssd_stream.generate_stream)")
+        raise RuntimeError("a stream image's passes run through the stream (ssd_carry.stream.generate_stream)")
 
 
 class _Image:
     """One image of the stream: batch-1 SSD with carry, advanced between the shared passes."""
 
-    def __init__(self, index: int, backbone, prompts: Prompts, rng, drafter, rule: CarryRule, vertical: bool,
-                 sampling: dict):
+    def __init__(self, index: int, backbone, prompts: Prompts, rng, window: Callable[[SpecState], CarryWindow],
+                 vertical: bool, sampling: dict):
         self.index = index
         self.st = _SlotState(backbone, prompts, rngs=None if rng is None else [rng], **sampling)
-        self.win = CarryWindow(self.st, rule, drafter)
-        self.drafter, self.vertical = drafter, vertical
+        self.win = window(self.st)
+        self.vertical = vertical
         self.flush = 0
-        self.siblings = None  # the alternatives fed with the image's next pass (`CarryWindow.sibling_inputs`)
 
     def next_pass(self) -> int | None:
         """Draft the rows that are due and return the slot the image's next pass feeds up to, or None when the image
         is done. A window needing no new states (nothing changed since the last pass) is judged at once."""
-        from specgen.decoding.ssd import draft_due  # ssd delegates to this module
-
         st, win = self.st, self.win
         if st.cached < st.g.prefix_len:
             return st.g.prefix_len  # the prefill
         while True:
-            draft_due(st, win, self.drafter, self.vertical)
+            win.draft_due(self.vertical)
             if not any(win.live()):
                 if not win.unfinished():
                     return None
                 continue
-            end = win.pass_end()
+            end = win.slots[-1]
             if st.cached < end:
                 if not win.unfinished():
                     self.flush += 1
-                self.siblings = win.sibling_inputs()
                 return end
             win.judge()
 
-    def after_pass(self, states: torch.Tensor | None) -> None:
-        """Judge the window after a pass; `states` (reps, k, D): the states of the alternatives it fed."""
+    def after_pass(self) -> None:
+        """Judge the window after a pass."""
         if self.win.pos.numel():  # not after the prefill: nothing is drafted yet
-            self.win.judge(self.siblings, states)
+            self.win.judge()
 
 
-@torch.no_grad()
-def _assemble(running: list, ends: list, feeding: list[int], inputs: list, alts: list, S: int, reps: int, q: int):
+def _assemble(feeding: list[int], inputs: list, S: int, reps: int, q: int):
     """One pass's inputs over every cache row (an idle slot's rows are padding: no row subsets to gather per layer):
     where each token is written in the cache (-1: nowhere), its position, and its embedding. A slot's rows are s and
-    s + S (its CFG row); its window fills the first q columns, its alternatives the columns after them."""
-    k = max((a[0].shape[1] for a in alts if a is not None), default=0)
+    s + S (its CFG row); its window fills the first columns."""
     ref = inputs[0][1]
-    at = torch.full((S * reps, q + k), -1, dtype=torch.long, device=ref.device)
+    at = torch.full((S * reps, q), -1, dtype=torch.long, device=ref.device)
     positions = at.clone()
-    embeds = ref.new_zeros(S * reps, q + k, ref.shape[-1])
-    for s, (_, emb, pos), alt in zip(feeding, inputs, alts):
+    embeds = ref.new_zeros(S * reps, q, ref.shape[-1])
+    for s, (_, emb, pos) in zip(feeding, inputs):
         at[s::S, :pos.numel()] = positions[s::S, :pos.numel()] = pos
         embeds[s::S, :pos.numel()] = emb
-        if alt is not None:  # written past the pass's end (overwritten before any later token sees them)
-            n_alt = alt[0].shape[1]
-            at[s::S, q:q + n_alt] = ends[s] + torch.arange(n_alt, device=at.device)
-            positions[s::S, q:q + n_alt] = alt[0]
-            embeds[s::S, q:q + n_alt] = running[s].st.embed(alt[1].repeat(reps, 1))
     return at, positions, embeds
 
 
-def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots: int, rule: CarryRule,
-                    cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True):
-    """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). Each image
-    moves its window by `rule` (its `max_lead` is not read: a stream image has no batch to run ahead of)."""
+def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callable[[SpecState], CarryWindow],
+                    slots: int, cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True,
+                    trace: Trace | None = None):
+    """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). `window`
+    makes each image's carry window from its state (a stream image has no batch to run ahead of: max_lead is not
+    read)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
         raise ValueError(f"slots={slots} (continuous batching) needs a backbone with per-row cache lengths "
                          f"(new_ragged_cache); {type(backbone).__name__} has none: set slots=null to decode fixed "
                          f"batches")
-    rule = replace(rule, max_lead=None)
+    trace = or_silent(trace)
     N = len(prompts)
     if rngs is not None and len(rngs) != N:
         raise ValueError(f"{len(rngs)} random streams for {N} prompts: give one per prompt (make_rngs)")
-    sampling = dict(cfg_scale=cfg_scale, temperature=temperature, top_k=top_k)
+    sampling = dict(cfg_scale=cfg_scale, temperature=temperature, top_k=top_k, trace=trace)
     reps = 2 if cfg_scale != 1.0 else 1
     g = backbone.grid.at(prompts.rows(reps == 2).length)
     S = min(slots, N)
-    cache = new_cache(S * reps, g.position(g.height, 0) + rule.siblings)  # alternatives go past a row's pass end
+    cache = new_cache(S * reps, g.position(g.height, 0))
     all_rows = torch.arange(S * reps, device=backbone.device)
     queue = iter(range(N))
     running: list[_Image | None] = [None] * S
@@ -126,24 +117,24 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, drafter, slots
                 i = next(queue, None)
                 if i is None:
                     break
-                running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], drafter,
-                                    rule, vertical, sampling)
+                running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], window,
+                                    vertical, sampling)
                 ends[s] = running[s].next_pass()
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
-        alts = [running[s].siblings if inp[0] >= g.prefix_len else None for s, inp in zip(feeding, inputs)]
         q = max(emb.shape[1] for _, emb, _ in inputs)
-        at, positions, embeds = _assemble(running, ends, feeding, inputs, alts, S, reps, q)
+        at, positions, embeds = _assemble(feeding, inputs, S, reps, q)
         cache.feed(all_rows, at)
-        hidden = backbone.forward_embeds(embeds, positions.clamp_min(0), cache,
-                                         cache.mask(at, embeds.dtype, positions.clamp_min(0)))
+        with trace.region("target", positions=q, rows=embeds.shape[0], prefill=all(i[0] == 0 for i in inputs)):
+            hidden = backbone.forward_embeds(embeds, positions.clamp_min(0), cache,
+                                             cache.mask(at, embeds.dtype, positions.clamp_min(0)))
         nfe += 1
-        for s, (start, _, pos), alt in zip(feeding, inputs, alts):
+        for s, (start, _, pos) in zip(feeding, inputs):
             img = running[s]
             img.st.pass_done(start, hidden[s::S, :pos.numel()])
-            img.after_pass(None if alt is None else hidden[s::S, q:q + alt[0].shape[1]])
+            img.after_pass()
             ends[s] = img.next_pass()
     return _collect([done[i] for i in range(N)], nfe, S)
 

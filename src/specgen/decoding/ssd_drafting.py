@@ -1,0 +1,102 @@
+"""How SSD drafts a row with f_phi (one generation's drafting): the first row (and every row of the horizontal-only
+ablation) by chaining f_phi.right from the last target state, the rows below from the row above by f_phi.down, all
+columns at once; a drafter with left context drafts a down row column by column (`ssd_columns.draft_columns`).
+Every draft goes through the backbone's own final norm and head (a token-id drafter gives code logits itself)."""
+from __future__ import annotations
+
+import torch
+
+from specgen.decoding.sampling import sample_probs, uniform
+from specgen.decoding.ssd_columns import draft_columns
+from specgen.decoding.state import SpecState
+from specgen.drafters.protocol import Drafter
+
+
+class Drafting:
+    """The drafts of one generation: `right(row)` and `down(rows, images)` give (codes (S, W), q (S, W, V)), q the
+    warped distribution each draft was drawn from (`temperature`, default the sampling one; 0: argmax drafts).
+
+    `keep_down_rows`: keep each down row's trunk and states above, per (image, row), in `down_rows` (a carry-window
+    tail proposal reads them; `ssd_carry.tails.Reweight`)."""
+
+    def __init__(self, st: SpecState, drafter: Drafter, temperature: float | None = None,
+                 keep_down_rows: bool = False):
+        self.st, self.drafter, self.temperature = st, drafter, temperature
+        self.tokens_out = drafter.predicts == "tokens"  # the ablation: the drafter gives code logits
+        self.down_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
+            {} if keep_down_rows else None)
+        self._left_table: torch.Tensor | None = None
+
+    def right(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row` of every image: f_phi.right chained from the target state before the row (row 0: the last
+        prompt slot; later rows: the state before the row above's last token) through the known tokens between."""
+        st, g, drafter = self.st, self.st.g, self.drafter
+        start = g.prefix_len - 1 if row == 0 else g.position(row - 1, g.width - 1) - 1
+        h = st.hid[:, start]  # (B', D)
+        is_state = True  # h is a target state until the drafter has run once
+        first = g.position(row, 0)
+        codes, qs = [], []
+        with st.trace.region("draft", what="right"):
+            for pos in range(start + 1, g.position(row, g.width - 1) + 1):
+                if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
+                    q = st.dist(h, self.temperature) if is_state else st.dist_logits(h, self.temperature)  # (B, V)
+                    tok = sample_probs(q, st.rngs)
+                    codes.append(tok)
+                    qs.append(q)
+                    ids = tok.repeat(st.reps)
+                else:  # a token already known (previous row, end-of-row)
+                    ids = st.seq[:, pos]
+                if pos < g.position(row, g.width - 1):
+                    h = drafter.right(h, st.embed(ids))
+                    is_state = not self.tokens_out
+                    st.draft_calls += 1
+        return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, V)
+
+    def down(self, rows: torch.Tensor, images: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `rows` (S,) of images `images` (S,; default: every image), all columns at once:
+        f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above (with left context: `_down_left`)."""
+        st, g = self.st, self.st.g
+        images = torch.arange(st.B, device=rows.device) if images is None else images
+        above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)  # (S', W)
+        rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
+        with st.trace.region("draft", what="down"):
+            if self.drafter.left_context:
+                return self._down_left(above, rep, images)
+            h = self.drafter.down(st.hid[rep, above - 1], st.embed(st.seq[rep, above]))  # (S', W, D) or logits
+            st.draft_calls += 1
+            q = st.dist_logits(h, self.temperature) if self.tokens_out else st.dist(h, self.temperature)
+            return sample_probs(q, st.image_gens(images)), q
+
+    def _down_left(self, above: torch.Tensor, rep: torch.Tensor,
+                   images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Down drafts with left context: the row trunk once, then column by column, each from the previous
+        column's draft, found by fixed-point iteration (`ssd_columns.draft_columns`)."""
+        st, g = self.st, self.st.g
+        hidden = st.hid[rep, above - 1]  # (S', W, D)
+        trunk = self.drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
+        if self.down_rows is not None:
+            S, rows = len(images), g.row_col(above[:len(images), 0])[0] + 1
+            for i, (b, r) in enumerate(zip(images.tolist(), rows.tolist())):
+                self.down_rows[b, r] = (trunk[i::S], hidden[i::S])  # (reps, W, width), (reps, W, D)
+        k = self.drafter.left_tokens
+        first = above[:, :1] + g.stride  # (S', 1): each row's column 0
+        before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k): the tokens before it
+        u = uniform((len(images), g.width), st.image_gens(images), before.device)  # (S, W): the columns' draws
+        guess = st.seq[rep[:len(images)], above[:len(images)]]  # (S, W): the row above
+        return draft_columns(st, self.drafter, trunk, hidden, before, self.left_table(), u, self.temperature, guess)
+
+    def left_table(self) -> torch.Tensor:
+        """(k, image tokens, width): each left map of the drafter (nearest first) applied to every image token's
+        embedding (visual codes, then the forced tokens), once per generation: a row drafted column by column looks
+        its left context's features up instead of computing them per column."""
+        if self._left_table is None:
+            st, g = self.st, self.st.g
+            e = st.embed(torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device))
+            self._left_table = torch.stack([m(e) for m in self.drafter.left_maps()])
+        return self._left_table
+
+    def drop_rows(self, final_below: list[int]) -> None:
+        """Forget the kept down rows of image b above row final_below[b] (they are final: never proposed again)."""
+        if self.down_rows:
+            for key in [key for key in self.down_rows if key[1] < final_below[key[0]]]:
+                del self.down_rows[key]
