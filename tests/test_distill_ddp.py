@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow  # about 20 s each: two processes, teacher sampling, a few steps
-@pytest.mark.parametrize("exp", ["fphi_shapes", "mtp_shapes", "mar_draft_cpu_train"])
+@pytest.mark.parametrize("exp", ["train/fphi_shapes", "train/mtp_shapes", "train/mar_draft_cpu_train"])
 def test_two_processes_distil_a_drafter_on_their_own_shards(exp, tmp_path, tiny_exports):
     paths = [f"paths.{k}_dir={tmp_path / k}" for k in ("data", "log", "checkpoint")] + [f"hydra.run.dir={tmp_path / 'out'}"]
     run = [*_tiny_train(exp, tiny_exports), "data.train_shards=2", "trainer=ddp_cpu", "trainer.max_steps=3",
@@ -27,7 +27,7 @@ def test_two_processes_distil_a_drafter_on_their_own_shards(exp, tmp_path, tiny_
                           text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    kind = "token" if exp.startswith("mar") else "teacher"
+    kind = "token" if exp.startswith("train/mar") else "teacher"
     assert f"rank 0 of 2 trains on {kind} shards [0]" in out and f"rank 1 of 2 trains on {kind} shards [1]" in out
     export = tmp_path / "checkpoint" / compose_cfg("train", [f"experiment={exp}"], tmp_path).export_name
     assert json.loads((export / "metrics.json").read_text())["global_step"] == 3  # written by rank 0 at the end
