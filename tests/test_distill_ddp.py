@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow  # about 20 s each: two processes, teacher sampling, a few steps
-@pytest.mark.parametrize("exp", ["train/fphi_shapes", "train/mtp_shapes", "train/mar_draft_cpu_train"])
+@pytest.mark.parametrize("exp", ["train/fphi_shapes", "train/mtp_shapes", "train/mar_draft_cpu"])
 def test_two_processes_distil_a_drafter_on_their_own_shards(exp, tmp_path, tiny_exports):
     paths = [f"paths.{k}_dir={tmp_path / k}" for k in ("data", "log", "checkpoint")] + [f"hydra.run.dir={tmp_path / 'out'}"]
     run = [*_tiny_train(exp, tiny_exports), "data.train_shards=2", "trainer=ddp_cpu", "trainer.max_steps=3",
