@@ -12,7 +12,7 @@
 #   SMOKE=1 bash experiments/gpu_retrain/drafter.sh         # a few steps of each stage on the CPU (checks the chain)
 #   INIT=fphi_gpu SHARDS=24 bash experiments/gpu_retrain/drafter.sh   # continue the shipped drafter on 24 shards
 # Teacher shards already in data/distill are used as they are, the stage samples only the missing ones: shards
-# sampled on the CPU (`python -m specgen.train experiment=fphi_cpu prepare_only=true data.train_shards=24`, about 5
+# sampled on the CPU (`python -m specgen.train experiment=train/fphi_cpu prepare_only=true data.train_shards=24`, about 5
 # minutes and 0.8 MB a shard of 2048) and carried to the GPU machine leave its time to the training steps.
 set -u
 PY=${PY:-python}
@@ -54,13 +54,13 @@ stage() {  # stage <name> <seconds> <command...>: one step, its log, exit status
 }
 
 # 1. speed (the default drafter), at most 100 s on the GPU
-stage speed "$SPEED_TIME" $PY -m specgen.eval experiment=discrete_speed benchmark=none logger=none $PATHS $SPEED \
-  '~strategies.ssd_exact' '~strategies.ssd_no_reweight' '~strategies.ssd_typical_carried' \
-  '~strategies.ssd_row_draft' '~strategies.mtp1d' '~strategies.specdec' '~strategies.sjd' '~strategies.ssd_paper' \
+stage speed "$SPEED_TIME" $PY -m specgen.eval experiment=eval/discrete_speed benchmark=none logger=none $PATHS $SPEED \
+  '~strategies.ssd_exact' '~strategies.ssd_latent' \
+  '~strategies.mtp1d' '~strategies.specdec' '~strategies.sjd' '~strategies.ssd_paper' \
   hydra.run.dir="$LOGS/speed"
 
 # 2. teacher shards: validation first, then training shards until its time is up (each shard is written atomically)
-stage teacher "$TEACHER_TIME" $PY -m specgen.train experiment=fphi_accept $COMMON $DATA data.train_shards=$SHARDS \
+stage teacher "$TEACHER_TIME" $PY -m specgen.train experiment=train/fphi_accept $COMMON $DATA data.train_shards=$SHARDS \
   prepare_only=true hydra.run.dir="$LOGS/teacher"
 written=0  # training shards 0..written-1 are on disk (written in order)
 while [ "$written" -lt "$SHARDS" ] && ls "$DATA_DIR"/distill/*/"train_$(printf %05d "$written")_tokens.npz" >/dev/null 2>&1
@@ -76,7 +76,7 @@ guard=$(( $(left) - 15 ))
 [ "$SMOKE" = 1 ] && guard=600
 train() {  # train <name> <overrides...>
   local name=$1; shift
-  stage "$name" "$guard" $PY -m specgen.train experiment=fphi_accept $COMMON $DATA data.train_shards=$written \
+  stage "$name" "$guard" $PY -m specgen.train experiment=train/fphi_accept $COMMON $DATA data.train_shards=$written \
     "init_from=\${paths.checkpoint_dir}/$INIT" module.state_batch=$STATE_BATCH callbacks.time_budget.seconds=$budget task_name=$name export_name=$name "$@" \
     hydra.run.dir="$LOGS/$name"
 }

@@ -13,9 +13,9 @@ SCALE=${SCALE:-1}
 SMOKE=${SMOKE:-0}
 PAIR=${PAIR:-base}
 if [ "$PAIR" = p2 ]; then
-  TARGET=mar_p2_shapes; DRAFT=mar_p2_shapes_draft; TRAIN_EXP=mar_shapes_cpu_train; DRAFT_EXP=mar_draft_cpu_train
+  TARGET=mar_p2_shapes; DRAFT=mar_p2_shapes_draft; TRAIN_EXP=train/mar_shapes_cpu; DRAFT_EXP=train/mar_draft_cpu
 elif [ "$PAIR" = base ]; then
-  TARGET=mar_shapes; DRAFT=mar_shapes_draft; TRAIN_EXP=mar_shapes_train; DRAFT_EXP=mar_draft_train
+  TARGET=mar_shapes; DRAFT=mar_shapes_draft; TRAIN_EXP=train/mar_shapes; DRAFT_EXP=train/mar_draft
 else
   echo "PAIR=$PAIR: expected base or p2" >&2; exit 2
 fi
@@ -54,7 +54,7 @@ job mar specgen.train experiment=$TRAIN_EXP $TOK $COMMON init_from=$CK/$TARGET m
   module.warmup_steps=200 $(budget 330) || exit 1
 job draft specgen.train experiment=$DRAFT_EXP $TOK $COMMON $DRAFT_INIT module.warmup_steps=100 \
   $(budget 120) || exit 1
-job geneval specgen.eval experiment=mar_shapes generator.backbone_dir=$CK/$TARGET generator.device=$DEV logger=csv $EVAL
+job geneval specgen.eval experiment=eval/mar_shapes generator.backbone_dir=$CK/$TARGET generator.device=$DEV logger=csv $EVAL
 $PY -m specgen.analysis.cspd_trace --backbone $CK/$TARGET --draft $CK/$DRAFT --out "$LOGS/trace" \
   > "$LOGS/trace.log" 2>&1; echo "trace rc=$?" | tee -a "$LOGS/status.txt"
 echo "all jobs finished" | tee -a "$LOGS/status.txt"

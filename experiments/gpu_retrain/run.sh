@@ -48,25 +48,25 @@ job() {  # job <name> <overrides...>: one training run, its log and exit status
 }
 
 discrete() {
-  job ar_tokens experiment=ar_shapes_train $TOK prepare_only=true || return
-  job ar_draft experiment=ar_shapes_draft_train $TOK $(budget 240) &
-  job ar_backbone experiment=ar_shapes_train $TOK $VAL $(budget 300) || { wait; return 1; }
-  job teacher experiment=fphi_shapes $DIST prepare_only=true || { wait; return 1; }
-  job fphi experiment=fphi_shapes $DIST $(budget 90) &
-  job mtp experiment=mtp_shapes $DIST $(budget 90) &
+  job ar_tokens experiment=train/ar_shapes $TOK prepare_only=true || return
+  job ar_draft experiment=train/ar_shapes_draft $TOK $(budget 240) &
+  job ar_backbone experiment=train/ar_shapes $TOK $VAL $(budget 300) || { wait; return 1; }
+  job teacher experiment=train/fphi_shapes $DIST prepare_only=true || { wait; return 1; }
+  job fphi experiment=train/fphi_shapes $DIST $(budget 90) &
+  job mtp experiment=train/mtp_shapes $DIST $(budget 90) &
   wait
 }
 
 continuous() {
-  job kl experiment=kl_shapes $IMG data.batch_size=64 $(budget 80) || return
-  job mar_latents experiment=mar_shapes_train $TOK prepare_only=true || return
-  job mar_backbone experiment=mar_shapes_train $TOK $(budget 250) || return
-  job mar_draft experiment=mar_draft_train $TOK $(budget 80)
+  job kl experiment=train/kl_shapes $IMG data.batch_size=64 $(budget 80) || return
+  job mar_latents experiment=train/mar_shapes $TOK prepare_only=true || return
+  job mar_backbone experiment=train/mar_shapes $TOK $(budget 250) || return
+  job mar_draft experiment=train/mar_draft $TOK $(budget 80)
 }
 
 evaluation_nets() {
-  job featnet experiment=featnet_shapes $IMG data.batch_size=128 $(budget 120) &
-  job clip experiment=clip_shapes $IMG data.batch_size=256 $(budget 200) &
+  job featnet experiment=train/featnet_shapes $IMG data.batch_size=128 $(budget 120) &
+  job clip experiment=train/clip_shapes $IMG data.batch_size=256 $(budget 200) &
   wait
 }
 
