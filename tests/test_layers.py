@@ -8,7 +8,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "specgen"
 LAYERS = ["utils", "world", "tokenizers", "backbones", "drafters", "decoding", "evaluation", "modules"]
-ENTRY_POINTS = {"train", "eval"}  # src/specgen/train.py, eval.py: the top, with modules
+ENTRY_POINTS = {"train", "eval", "api"}  # src/specgen/train.py, eval.py, api.py: the top, with modules
 APART = {"analysis"}
 NO_FRAMEWORK = {"utils", "world", "tokenizers", "backbones", "drafters", "decoding"}  # plain torch below here
 FRAMEWORKS = {"lightning", "pytorch_lightning", "hydra"}

@@ -53,6 +53,30 @@ def _save_png(path: Path, image: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def decode_batch(backbone, decode_fn: Callable, prompts: list[str], seeds: list[int],
+                 timed: bool = True) -> tuple[np.ndarray, torch.Tensor, list[dict]]:
+    """One batch through a strategy: uint8 images (B, S, S, 3), the backbone's codes, and per-image stats (plain
+    Python values; with `timed`, the batch's wall clock and its share per image). The evaluation's image cache and
+    `specgen.generate` both decode through here, so an image depends only on (prompt, seed, strategy, batch)."""
+    encoded = backbone.prompts(list(prompts))
+    t0 = time.perf_counter()
+    codes, stats = decode_fn(backbone, encoded, rngs=make_rngs(seeds, backbone.device))
+    images = backbone.decode(codes)
+    if images.is_cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    images = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    per_image = []
+    for b in range(len(prompts)):
+        one = {k: (v[b].tolist() if torch.is_tensor(v) and v.ndim > 0 else float(v) if torch.is_tensor(v) else v)
+               for k, v in stats.items()}
+        one.update(batch_size=len(prompts))
+        if timed:
+            one.update(batch_wall_s=wall, latency_s=wall / len(prompts))
+        per_image.append(one)
+    return images, codes, per_image
+
+
 def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: str | Path, batch_size: int = 32,
                     desc: str = "generating", progress: bool = True, timed: bool = True,
                     note: dict | None = None) -> tuple[list[np.ndarray], list[dict]]:
@@ -66,24 +90,12 @@ def generate_images(jobs: list[Job], backbone, decode_fn: Callable, cache_dir: s
     bar = tqdm(total=len(todo), desc=desc, unit="img", disable=not (todo and progress))
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
-        prompts = backbone.prompts([j.prompt for j in batch])
-        t0 = time.perf_counter()
-        codes, stats = decode_fn(backbone, prompts, rngs=make_rngs([j.seed for j in batch],
-                                                                                   backbone.device))
-        images = backbone.decode(codes)
-        if images.is_cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        images = (images * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        images, _, per_image = decode_batch(backbone, decode_fn, [j.prompt for j in batch], [j.seed for j in batch],
+                                            timed=timed)
         for b, job in enumerate(batch):
-            per_image = {k: (v[b].tolist() if torch.is_tensor(v) and v.ndim > 0 else
-                             float(v) if torch.is_tensor(v) else v) for k, v in stats.items()}
-            per_image.update(batch_size=len(batch))
-            if timed:
-                per_image.update(batch_wall_s=wall, latency_s=wall / len(batch))
             _save_png(cache_dir / f"{job.key}.png", images[b])
             atomic_write_text(cache_dir / f"{job.key}.json", json.dumps(
-                {"prompt": job.prompt, "seed": job.seed, "stats": per_image, **(note or {})}))
+                {"prompt": job.prompt, "seed": job.seed, "stats": per_image[b], **(note or {})}))
         bar.update(len(batch))
     bar.close()
     out_images, out_stats = [], []
