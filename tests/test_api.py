@@ -56,6 +56,7 @@ def test_strategy_options_drafter_module_and_bad_input(tiny_exports):
 
     gen = specgen.load_generator(backbone_dir=str(tiny_exports / "ar"), tokenizer_dir=str(tiny_exports / "vq"))
     by_path = specgen.load_strategy("ssd_paper", generator=gen, drafter=str(tiny_exports / "fphi"), rounds=2)
+    assert specgen.load_strategy("ssd_paper", drafter="fphi_gpu").config.fn.drafter.dirpath.endswith("checkpoints/fphi_gpu")
     assert by_path.config.fn.rounds == 2 and by_path.name == "ssd_paper"
     module = specgen.load_drafter(tiny_exports / "fphi")
     by_module = specgen.load_strategy("ssd_paper", generator=gen, drafter=module, rounds=2)

@@ -84,18 +84,23 @@ def load_generator(name: str = "shapes_ar", overrides: Sequence[str] = (), **opt
 def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     """An exported drafter (f_phi, 1D heads, a CSpD draft): a folder with config.yaml and model.safetensors, or the
     name of a shipped one under checkpoints/ (e.g. "fphi_gpu")."""
+    return load_exported(_export_folder(path), device)
+
+
+def _export_folder(path: str | Path) -> Path:
+    """A folder as given, else the shipped one of that name under checkpoints/."""
     folder = Path(path)
     if not folder.is_dir() and not folder.is_absolute():
         shipped = Path(compose().paths.checkpoint_dir) / folder
         folder = shipped if shipped.is_dir() else folder
-    return load_exported(folder, device)
+    return folder
 
 
 def load_strategy(name: str = "ssd", generator: torch.nn.Module | None = None, drafter: Any = None,
              overrides: Sequence[str] = (), **options) -> Strategy:
     """The decoding strategy `configs/decoding/<name>.yaml` with `options` set on its `fn` (checked against the
-    function's signature). `drafter`: a loaded module or an export folder in place of the config's drafter (or
-    CSpD draft). `generator`: a backbone from `load_generator`, whose composition the strategy shares (its
+    function's signature). `drafter`: a loaded module, an export folder or a shipped model's name in place of the
+    config's drafter (or CSpD draft). `generator`: a backbone from `load_generator`, whose composition the strategy shares (its
     `mar_pair`, paths)."""
     over = [*(getattr(generator, CONFIG_KEY, []) if generator is not None else []), f"decoding={name}", *overrides]
     dec = compose(over).decoding
@@ -113,7 +118,7 @@ def load_strategy(name: str = "ssd", generator: torch.nn.Module | None = None, d
         for key, value in options.items():
             dec.fn[key] = value
         if drafter is not None and module is None:
-            dec.fn[slot] = {"_target_": "specgen.utils.checkpoints.load_exported", "dirpath": str(drafter)}
+            dec.fn[slot] = {"_target_": "specgen.utils.checkpoints.load_exported", "dirpath": str(_export_folder(drafter))}
         if module is not None:
             del dec.fn[slot]
     fn = instantiate(dec.fn)
