@@ -88,8 +88,62 @@ def test_janus_refuses_a_grid_its_generate_would_not_make(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["vision_config"]["num_image_tokens"] = 9
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"4x4 = 16 codes .*vision_config.num_image_tokens is 9.*fix one of them in config.json"):
+    with pytest.raises(ValueError, match=r"image_size / patch_size = 64 / 16 gives a 4x4 = 16 codes grid .*"
+                                         r"num_image_tokens is 9 .*fix one of them in config.json .*"
+                                         r"generator.tokens_per_side="):
         JanusBackbone(str(path), device="cpu")
+
+
+def test_janus_grid_override_generates_and_decodes_its_own_grid(tmp_path):
+    """tokens_per_side replaces the config's grid (and its check): AR makes side x side codes, the VQ decoder
+    decodes them at that grid, equal to transformers' decode of a VQ whose grid is that side."""
+    import copy
+
+    import torch
+
+    from specgen.decoding import ar
+
+    path = build_tiny("janus_pro", tmp_path / "janus", side=4, sharpen=3.0)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"]["num_image_tokens"] = 9  # inconsistent, but the override chooses the grid
+    (path / "config.json").write_text(json.dumps(config))
+    m = JanusBackbone(str(path), tokens_per_side=2, device="cpu")
+    assert (m.grid.height, m.grid.width, m.grid.num_visual_tokens) == (2, 2, 4)
+    assert m.size_key == "generator.tokens_per_side"
+    codes, _ = ar.generate(m, m.prompts(["a red circle", "two squares"]), cfg_scale=5.0, temperature=0)
+    assert codes.shape == (2, 2, 2)
+    images = m.decode(codes)
+    vq = copy.deepcopy(m.model.model.vqmodel)
+    vq.quantize.quant_state_dims = [2, 2]  # transformers' decode at a 2 x 2 grid
+    ref = ((vq.decode(codes.flatten(1)).float() + 1) / 2).clamp(0, 1)
+    up = 2 ** (len(config["vq_config"]["channel_multiplier"]) - 1)  # the tiny VQ's upsampling (Janus-Pro's: 16)
+    assert images.shape == (2, 3, 2 * up, 2 * up) and torch.equal(images, ref)
+    with pytest.raises(ValueError, match="generator.tokens_per_side"):
+        JanusBackbone(str(path), tokens_per_side=0, device="cpu")
+
+
+def test_lumina_without_its_vqgan_stops_at_the_start_and_names_the_key(tmp_path):
+    """The eval command without generator.vqgan_path stops before its first sample; an adapter built without it
+    (f_phi's distillation needs no pixels) names the key at the first decode."""
+    import torch
+    from omegaconf.errors import MissingMandatoryValue
+
+    from specgen.eval import evaluate
+
+    path = build_tiny("lumina_mgpt", tmp_path / "lumina", side=4)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\n")
+    cfg = compose_cfg("eval", ["experiment=eval/real_discrete", "generator=lumina_mgpt",
+                               f"generator.weights_path={path}", "generator.device=cpu",
+                               f"drafter_dir={tmp_path / 'fphi'}", f"benchmark.prompts_path={prompts}", "logger=none"],
+                      tmp_path)
+    with pytest.raises(MissingMandatoryValue, match="generator.vqgan_path"):
+        evaluate(cfg)
+    assert not list(tmp_path.rglob("*.png")) and not (tmp_path / "cache").exists()  # nothing sampled
+    m = LuminaBackbone(str(path), device="cpu")
+    with pytest.raises(ValueError, match=r"decoding Lumina-mGPT codes to pixels needs Chameleon's VQGAN: set "
+                                         r"generator.vqgan_path="):
+        m.decode(torch.zeros(1, 4, 4, dtype=torch.long))
 
 
 def test_a_plain_prompt_file_is_written_unscored_and_refused_for_scoring(tmp_path):
