@@ -62,14 +62,18 @@ def test_schedule_allows_one_token_per_step_and_refuses_more_steps_than_tokens()
 
 
 def test_linear_cfg_schedule_counts_the_tokens_known_after_the_step():
-    """MAR: the scale of a step is 1 + (cfg - 1) x (known after the step) / L, never 1 with guidance."""
+    """MAR: the scale of a step is 1 + (cfg - 1) x (known after the step, at most L - 1) / L, never 1 with
+    guidance; `linear_full` reaches the full scale at the last step."""
     m = _tiny_mar()
     st = mar.MARState(m, make_rngs([0, 1]), 4)
     sched = st.schedule
     assert sched == mar.schedule(st.L, 4)
     _, _, z = mar.mar_step(m, st, mar.conditioning(m, PROMPTS, 3.0), sched[0], 3.0, "linear", 1.0)
     assert z[2] == pytest.approx(1 + 2.0 * sched[0] / 16) and z[2] > 1
-    assert mar.cfg_at(3.0, "linear", 16, 16) == 3.0 and mar.cfg_at(3.0, "constant", 1, 16) == 3.0
+    assert mar.cfg_at(3.0, "linear", 16, 16) == 2.875 and mar.cfg_at(3.0, "linear_full", 16, 16) == 3.0
+    assert mar.cfg_at(3.0, "constant", 1, 16) == 3.0
+    with pytest.raises(ValueError, match="unknown cfg_schedule 'cosine'.*linear_full"):
+        mar.cfg_at(3.0, "cosine", 1, 16)
 
 
 def test_prefill_counts_generation_steps():

@@ -7,8 +7,10 @@ Every token owns its noise (initial latent and per-step noise), drawn up front f
 generator, so a token's noise does not depend on when or by which model it is generated: this is
 what aligns draft and target trajectories in CSpD, and makes runs reproducible per image.
 
-The linear guidance schedule is MAR's: the scale of a step is 1 + (cfg - 1) x (tokens known after the
-step) / L; `linear_steps` is xAR's: 1 + (cfg - 1) x j / (n - 1) for step j of the plan's n. `ddim_tail` > 0
+The linear guidance schedule is MAR's (LTH14/mar `sample_tokens`, Harmon's and CSpD's the same): the scale of a
+step is 1 + (cfg - 1) x (L - masked after the step) / L with the masked count clamped to at least 1, so the last
+step is guided at 1 + (cfg - 1)(L - 1)/L; `linear_full` is the unclamped formula (the last step at the full scale);
+`linear_steps` is xAR's: 1 + (cfg - 1) x j / (n - 1) for step j of the plan's n. `ddim_tail` > 0
 (not MAR's sampler; the baseline of CSpD's deterministic-tail variant) makes the last `ddim_tail` stochastic
 denoising steps deterministic (DDIM steps for a DDPM head, Euler steps of the probability-flow ODE for xAR).
 
@@ -39,17 +41,20 @@ def token_noise(rngs, seq_len: int, steps: int, dim: int, device) -> torch.Tenso
     return torch.stack([torch.randn(seq_len, steps + 1, dim, generator=g, device=device) for g in rngs])
 
 
-CFG_SCHEDULES = ("linear", "constant", "linear_steps")
+CFG_SCHEDULES = ("linear", "linear_full", "constant", "linear_steps")
 
 
 def cfg_at(cfg_scale: float, cfg_schedule: str, known_after: int, seq_len: int, schedule: list[int] | None = None
            ) -> float:
     """Guidance scale of a step that ends with `known_after` tokens known: MAR's linear schedule (from the tokens
-    known after the step), constant, or `linear_steps` (xAR's: 1 at the first of the plan's steps `schedule`,
-    cfg_scale at the last, linear in the step index)."""
+    known after the step, at most L - 1: the authors' mask length is at least 1, the last step's too),
+    `linear_full` (the same without the clamp: the full scale at the last step), constant, or `linear_steps`
+    (xAR's: 1 at the first of the plan's steps `schedule`, cfg_scale at the last, linear in the step index)."""
     if cfg_schedule == "constant":
         return cfg_scale
     if cfg_schedule == "linear":
+        return 1 + (cfg_scale - 1) * min(known_after, seq_len - 1) / seq_len
+    if cfg_schedule == "linear_full":
         return 1 + (cfg_scale - 1) * known_after / seq_len
     if cfg_schedule == "linear_steps":
         if schedule is None:
