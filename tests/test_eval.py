@@ -394,6 +394,11 @@ def test_discrete_speed_benchmark_keys_table_and_plots(tmp_path, tiny_exports, c
     table = capsys.readouterr().out
     assert all(f"\n{s} " in table for s in strategies) and "GenEval (95%)" in table
     assert "targets of ssd:" in table and "pass_ratio_bs1" in (out / "summary.txt").read_text()
+    for bs in (1, 2):  # aten ops of one batch per strategy (speed.count_ops), AR the reference
+        assert m[f"ar/speed/ops_ratio_bs{bs}"] == 1.0 and m[f"ar/speed/ops_draft_per_pass_bs{bs}"] == 0
+        assert m[f"ssd/speed/ops_per_pass_bs{bs}"] > m[f"ssd/speed/ops_per_forward_bs{bs}"] > 0
+        assert m[f"ssd/speed/ops_per_drafted_token_bs{bs}"] > 0 and m[f"sjd/speed/ops_per_pass_bs{bs}"] > 0
+    assert "aten ops" in table and "ops_ratio_bs1" in table
 
 
 def test_collect_keeps_strategy_names_of_side_by_side_jobs(tmp_path):

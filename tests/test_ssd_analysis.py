@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoder_helpers import PROMPTS, default_carry, tiny
+from decoder_helpers import PROMPTS, default_carry, noisy_drafter, tiny
 from specgen.decoding import ar, ssd_carry, ssd_columns
 from specgen.decoding.sampling import make_rngs
 from specgen.decoding.ssd_drafting import Drafting
@@ -158,9 +158,7 @@ def test_ssd_cost_split_sees_every_forward_and_fits_the_pass_cost(tmp_path, tiny
     for name, o in ops.items():
         assert o["total"] == o["target"] + o["draft"] + o["other"] and o["target"] >= 3 * o["passes"]
         assert (o["draft"] > 0) == (name != "ar") and o["other"] > 0
-    with ssd_costs._OpCounter(["x"]) as counter:
-        torch.ones(3).add(1).mul(2)
-    assert counter.counts["x"] == 3  # ones, add, mul
+    assert ops["ssd"]["ops_per_pass"] == pytest.approx(ops["ssd"]["total"] / ops["ssd"]["passes"])
 
 
 def test_oracle_drafter_under_greedy_takes_one_pass_a_row_and_equals_ar(tmp_path, tiny_exports):
@@ -258,3 +256,81 @@ def test_column_by_column_draft_equals_the_plain_loop_over_generic_calls(cfg_sca
         assert torch.equal(got_codes, want_codes) and got_q.shape == (2, g.width, g.num_visual)
         assert torch.allclose(got_q, want_q, atol=1e-6) and 1 <= calls <= g.width
     assert fixed[0][2] < g.width  # from the row above: fewer calls than columns
+
+
+def _forward_ops(layers: int) -> int:
+    """The aten ops of one bare target forward of one position after a prompt, on a tiny model with `layers`."""
+    from specgen.backbones.shapes_llama import ShapesLlama
+    from specgen.decoding.trace import OpCount
+
+    torch.manual_seed(0)
+    m = ShapesLlama(num_codes=24, grid_size=5, eol=False, preset="tiny", num_layers=layers).eval()
+    rows = m.prompts(PROMPTS[:1]).rows(False)
+    cache = m.new_cache(rows)
+    with torch.inference_mode():
+        m.forward_embeds(m.embed_tokens(rows.ids), torch.arange(rows.length), cache)
+        step = m.embed_tokens(rows.ids[:, :1])
+        with OpCount() as ops:
+            m.forward_embeds(step, torch.tensor([rows.length]), cache)
+    return ops.other
+
+
+def test_op_count_sees_every_forward_alike_and_a_layer_costs_a_fixed_count():
+    """decoding.trace.OpCount: three ops are three; each of AR's forwards after the prefill dispatches the ops of a
+    bare forward of the same model (counted apart), every one the same; a forward's ops grow by the same count per
+    layer (1 -> 2 -> 3 layers); ops outside a forward are AR's sampling and embedding, drafting none. (Without
+    end-of-row tokens: a forward of two positions also builds a causal mask.)"""
+    from specgen.decoding.trace import OpCount
+
+    with OpCount() as ops:
+        torch.ones(3).add(1).mul(2)
+    assert ops.other == 3 and ops.forwards == []  # ones, add, mul
+    one, two, three = (_forward_ops(n) for n in (1, 2, 3))
+    assert two - one == three - two > 0  # a layer's ops
+    m = tiny(False)
+    with torch.inference_mode(), OpCount() as ops:
+        _, stats = ar.generate(m, m.prompts(PROMPTS[:1]), cfg_scale=1.0, rngs=make_rngs([0]), trace=ops)
+    steps = [n for n, pre in zip(ops.forwards, ops.prefills) if not pre]
+    assert len(steps) == stats["nfe"] - 1 == 24 and ops.prefills[0] and set(steps) == {_forward_ops(2)}
+    s = ops.summary(stats["nfe"])
+    assert s["ops_per_forward"] == steps[0] and s["ops_draft"] == 0 and s["drafted_tokens"] == 0
+    assert s["ops"] == sum(ops.forwards) + ops.other and 0 < s["ops_other_per_pass"] < s["ops_per_forward"]
+
+
+def test_op_count_of_ssd_splits_drafting_by_step_and_leaves_the_tokens_unchanged():
+    """The default strategy under OpCount decodes the same tokens as without it; every drafting step's ops and
+    tokens are counted (each image token drafted at least once), and the parts add up to the total."""
+    from specgen.decoding.trace import OpCount
+
+    m = tiny(True)
+    d = noisy_drafter(m, left=True)
+    run = lambda **kw: ssd_carry.generate(m, m.prompts(PROMPTS[:2]), d, cfg_scale=2.0,  # noqa: E731
+                                          rngs=make_rngs([3, 4]), **default_carry(), **kw)
+    with torch.inference_mode():
+        plain, _ = run()
+        with OpCount() as ops:
+            counted, stats = run(trace=ops)
+    assert torch.equal(plain, counted)
+    s = ops.summary(stats["nfe"])
+    assert set(ops.draft) >= {"right", "down"} and sum(ops.drafted.values()) >= 2 * 25
+    assert s["ops"] == s["ops_target"] + s["ops_draft"] + s["ops_other"] and len(ops.forwards) == stats["nfe"]
+    assert s["ops_draft"] > 0 and s["ops_per_drafted_token"] == pytest.approx(s["ops_draft"] / s["drafted_tokens"])
+
+
+def test_ssd_ops_cli_counts_ar_and_ssd_at_batch_1_and_a_stream(tmp_path, tiny_exports, capsys):
+    """analysis.ssd_ops on the tiny world at batch 1 and 2: AR's forwards alike at both, 256 passes; SSD's ops per
+    pass, their ratio to AR's and its drafting per drafted token; SSD with carry as a stream above batch 1."""
+    from specgen.analysis import ssd_ops
+
+    out = ssd_ops.main([*_world(tiny_exports), "--out", str(tmp_path), "--batch-sizes", "1", "2"])
+    saved = json.loads((tmp_path / "ssd_ops.json").read_text())
+    assert saved == out and list(out) == ["bs1", "bs2"] and list(out["bs1"]) == ["ar", "ssd", "ssd_paper"]
+    for key in out:
+        a, s = out[key]["ar"], out[key]["ssd"]
+        assert a["passes"] == 256 and a["ops_ratio"] == 1.0 and a["ops_draft"] == 0 and a["ops_per_forward"] > 0
+        assert 0 < s["passes"] < 256 and s["ops_ratio"] == pytest.approx(s["ops_per_pass"] / a["ops_per_pass"])
+        assert s["ops"] == s["ops_target"] + s["ops_draft"] + s["ops_other"]
+        assert s["ops_per_drafted_token"] > 0 and s["draft_by_step"]["down"]["tokens"] >= 15 * 16
+    assert out["bs1"]["ar"]["ops_per_forward"] == out["bs2"]["ar"]["ops_per_forward"]  # a batch adds no op
+    assert out["bs2"]["ssd"]["stream"] and not out["bs2"]["ssd_paper"]["stream"] and not out["bs1"]["ssd"]["stream"]
+    assert "batch 2:" in capsys.readouterr().out

@@ -59,6 +59,7 @@ def test_what_the_run_did_not_measure_says_so():
                                          (dict(SPEC, batch_share=[16, 85]), "share in \\(0, 1\\]"),
                                          (dict(SPEC, strategy="sdd"), "targets.strategy='sdd': name one of"),
                                          (dict(SPEC, also="ssd_latent"), "targets.also='ssd_latent': give a list"),
+                                         (dict(SPEC, ops_ratio_bs1=[1.5, 1.8]), "ops_ratio_bs1=\\[1.5, 1.8\\]: give"),
                                          ({k: v for k, v in SPEC.items() if k != "strategy"}, "targets.strategy=None")])
 def test_a_malformed_spec_names_the_value_and_the_fix(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -80,3 +81,16 @@ def test_other_strategies_are_held_to_the_same_targets_in_their_own_blocks():
     assert "missed" in latent["geneval"]  # -0.06 + 0.03 < 0: significantly below AR's
     assert blocks[0] == format_targets(check_targets(m, SPEC, "ar"), "ssd")
     validate_targets(spec, ["ar", "ssd"])  # strategies in `also` may be left out of a run
+
+
+def test_ops_per_pass_is_a_most_met_at_or_below_it():
+    """`ops_ratio_bs1`: lower is better, met at or below the bound, missed above it, not measured without counts."""
+    spec = dict(strategy="ssd", ops_ratio_bs1=1.5)
+    row = lambda **m: check_targets(m, spec, "ar")[0]  # noqa: E731
+    above = row(**{"ssd/speed/ops_ratio_bs1": 1.81, "ssd/speed/ops_per_pass_bs1": 672.0,
+                   "ar/speed/ops_per_pass_bs1": 372.0})
+    assert above["verdict"] == "missed" and above["detail"] == "672 against 372" and "at most" in above["target"]
+    assert row(**{"ssd/speed/ops_ratio_bs1": 1.5, "ssd/speed/ops_per_pass_bs1": 558.0,
+                  "ar/speed/ops_per_pass_bs1": 372.0})["verdict"] == "met"
+    assert row()["verdict"] == "not measured"
+    validate_targets(spec, ["ar", "ssd"])

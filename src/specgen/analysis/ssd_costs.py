@@ -28,18 +28,16 @@ warm-up image first.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specgen.analysis.row_passes import add_world_args, config_strategies, decoder, load_world
 from specgen.decoding import ar
-from specgen.decoding.trace import Trace
+from specgen.decoding.trace import OpCount, Trace
 from specgen.decoding.sampling import make_rngs
 from specgen.utils.checkpoints import atomic_write_text
 
@@ -105,44 +103,19 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     return out
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched, by the region on top of `regions` when each runs."""
-
-    def __init__(self, regions: list[str]):
-        super().__init__()
-        self.regions, self.counts = regions, collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.regions[-1]] += 1
-        return func(*args, **(kwargs or {}))
-
-
-class _Regions(Trace):
-    """A trace that keeps the stack of open region kinds ("other" outside every region) for `_OpCounter`."""
-
-    def __init__(self):
-        self.stack = ["other"]
-
-    def enter(self, kind: str, info: dict) -> None:
-        self.stack.append(kind)
-
-    def exit(self, kind: str, info: dict) -> None:
-        self.stack.pop()
-
-
 @torch.inference_mode()
 def count_ops(backbone, drafter, prompt: str, cfg_scale: float, strategies: dict[str, dict], seed: int = 0) -> dict:
-    """Per strategy (AR first), the aten ops one image's decode dispatches: in target forwards, in drafting, and the
-    rest (verification and bookkeeping), with its passes. On a CPU a small op costs a few microseconds whatever its
-    size, so for a model this small the op counts explain much of the wall clock that positions fed do not."""
-    regions = _Regions()
+    """Per strategy (AR first), the aten ops one image's decode dispatches (`decoding.trace.OpCount`): in target
+    forwards, in drafting, and the rest (verification and bookkeeping), with its passes and `OpCount.summary`'s
+    per-pass figures. On a CPU a small op costs a few microseconds whatever its size, so for a model this small the
+    op counts explain much of the wall clock that positions fed do not."""
     out = {}
     for name, decode in decoders(backbone, drafter, cfg_scale, strategies).items():
-        with _OpCounter(regions.stack) as counter:
-            _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]), regions)
-        c = counter.counts
-        out[name] = {"target": c["target"], "draft": c["draft"], "other": c["other"],
-                     "total": sum(c.values()), "passes": int(stats["nfe"])}
+        with OpCount() as ops:
+            _, stats = decode(backbone.prompts([prompt]), make_rngs([seed]), ops)
+        s = ops.summary(int(stats["nfe"]))
+        out[name] = {"target": s["ops_target"], "draft": s["ops_draft"], "other": s["ops_other"], "total": s["ops"],
+                     "passes": int(stats["nfe"]), **{k: v for k, v in s.items() if k.startswith("ops_")}}
     return out
 
 

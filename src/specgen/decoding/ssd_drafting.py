@@ -36,7 +36,7 @@ class Drafting:
         is_state = True  # h is a target state until the drafter has run once
         first = g.position(row, 0)
         codes, qs = [], []
-        with st.trace.region("draft", what="right"):
+        with st.trace.region("draft", what="right", tokens=st.B * g.width):
             for pos in range(start + 1, g.position(row, g.width - 1) + 1):
                 if pos >= first and (pos - first) % g.stride < g.width:  # a visual token of this row: draft it
                     q = st.dist(h, self.temperature) if is_state else st.dist_logits(h, self.temperature)  # (B, V)
@@ -59,7 +59,7 @@ class Drafting:
         images = torch.arange(st.B, device=rows.device) if images is None else images
         above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)  # (S', W)
         rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
-        with st.trace.region("draft", what="down"):
+        with st.trace.region("draft", what="down", tokens=len(images) * g.width):
             if self.drafter.left_context:
                 return self._down_left(above, rep, images)
             h = self.drafter.down(st.hid[rep, above - 1], st.embed(st.seq[rep, above]))  # (S', W, D) or logits

@@ -19,7 +19,7 @@ from specgen.evaluation.figures import (accept_maps_png, alpha_steps_png, captio
                                          sweep_png)
 from specgen.evaluation.generate import cache_key, generate_images, image_grid
 from specgen.evaluation.geneval import TASKS, paired_difference
-from specgen.evaluation.speed import compare, prompts_needed
+from specgen.evaluation.speed import compare, ops_table, prompts_needed
 from specgen.evaluation.targets import targets_report, validate_targets
 from specgen.utils.checkpoints import atomic_write_csv, atomic_write_text
 
@@ -148,7 +148,7 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     prompts = speed_prompts(cfg, benchmarks, prompts_needed(cfg.speed.num_prompts, batch_sizes, min_batches))
     streams = tuple(s.name for s in cfg.strategies.values() if s.get("stream"))
     speed = compare(backbone, strategies, prompts, batch_sizes, cfg.speed.repeats, streams, min_batches,
-                    cfg.speed.num_prompts)
+                    cfg.speed.num_prompts, bool(cfg.speed.get("count_ops")))
     metrics.update(speed)
     grid = getattr(backbone, "grid", None)
     for name in strategies:
@@ -171,6 +171,8 @@ def run_speed(cfg: DictConfig, backbone=None, benchmarks: list | None = None) ->
     table = summary_table(metrics, names, list(cfg.speed.batch_sizes))
     dtype = str(getattr(backbone, "dtype", torch.float32)).removeprefix("torch.")
     table += f"\n(target backbone in {dtype}, {torch.get_num_threads()} torch threads)"
+    ops = ops_table(metrics, names, batch_sizes)
+    table += f"\n\n{ops}" if ops else ""
     if targets:  # the experiment's targets: met, floor or missed, under the table
         table += "\n\n" + targets_report(metrics, targets, names[0], names)
     atomic_write_text(out_dir / "summary.txt", table + "\n")

@@ -5,10 +5,13 @@ For each batch size and strategy: one warm-up batch, then `repeats` timed passes
 turn), so that the machine's changing speed on shared cores does not favour one of them; continuous-batching
 strategies (one call over all prompts) are timed after them. Reports latency per image, throughput, target passes (NFE) per image with a 95% interval over batches,
 draft calls, and peak memory (CUDA allocator on GPU; the process's peak RSS, reset per measurement,
-on CPU), plus wall-clock and NFE ratios against the reference strategy (the first one listed).
+on CPU), plus wall-clock and NFE ratios against the reference strategy (the first one listed). With `count_ops`, one
+more decode of each strategy's first batch counts the aten ops it dispatches (`decoding.trace.OpCount`), per target
+pass, per target forward and per drafted token, apart from the timed decodes (counting slows a decode).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from specgen.decoding.sampling import make_rngs
+from specgen.decoding.trace import OpCount
 from specgen.utils.stats import mean_ci95
 
 log = logging.getLogger(__name__)
@@ -150,12 +154,30 @@ def _measure_stream(backbone, decode_fn, prompts: list[str], slots: int, repeats
             "stream": 1.0, **{k: float(np.mean(v)) for k, v in extra.items()}}
 
 
+def count_ops(backbone, decode_fn, prompts: list[str], batch_size: int, stream: bool = False, seed: int = 0) -> dict:
+    """The aten ops of one decode of the first `batch_size` prompts (`OpCount.summary`: per pass, per target forward,
+    per drafted token), a stream's with `slots=batch_size` over those prompts. A decoder that takes no `trace`
+    is counted whole: its total and ops per pass only (its regions unknown)."""
+    batch = backbone.prompts(prompts[:batch_size])
+    kwargs = {"slots": batch_size} if stream and batch_size > 1 else {}
+    takes_trace = "trace" in inspect.signature(decode_fn).parameters
+    with torch.inference_mode(), OpCount() as ops:
+        if takes_trace:
+            kwargs["trace"] = ops
+        _, stats = decode_fn(backbone, batch, rngs=make_rngs([seed + i for i in range(len(batch))], backbone.device),
+                             **kwargs)
+    out = ops.summary(int(stats["nfe"]))
+    return out if takes_trace else {k: out[k] for k in ("ops", "ops_per_pass")}
+
+
 def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[int], repeats: int = 1,
-            streams: tuple[str, ...] = (), min_batches: int = 1, num_prompts: int | None = None) -> dict:
+            streams: tuple[str, ...] = (), min_batches: int = 1, num_prompts: int | None = None,
+            ops: bool = False) -> dict:
     """Flat metrics `<name>/speed/<key>_bs<B>` for every strategy, ratios against the first one. Strategies named in
     `streams` decode with continuous batching at batch sizes above 1 (see `measure`). At batch size B every
     strategy gets the first max(num_prompts, min_batches x B) prompts (`num_prompts`: default all), so that a
-    stream has prompts to refill its slots with; give at least `prompts_needed(...)` of them."""
+    stream has prompts to refill its slots with; give at least `prompts_needed(...)` of them. `ops`: also the aten
+    ops of one batch per strategy (`count_ops`), with `ops_ratio` their ops per pass over the reference's."""
     out: dict[str, float] = {}
     ref = next(iter(strategies))
     need = prompts_needed(num_prompts or len(prompts), batch_sizes, min_batches)
@@ -172,6 +194,11 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
                 log.info("speed: %s at batch %d (%d prompts, continuous batching)", name, bs, len(use))
                 results[name] = measure(backbone, fn, use, bs, repeats, stream=True)
         results = {name: results[name] for name in strategies}  # the reference first
+        if ops:  # after the timed decodes: counting slows a decode
+            log.info("speed: counting aten ops of one batch of %d per strategy", bs)
+            for name, fn in strategies.items():
+                results[name].update(count_ops(backbone, fn, use, bs, name in streams))
+                results[name]["ops_ratio"] = results[name]["ops_per_pass"] / results[ref]["ops_per_pass"]
         for name, res in results.items():
             res["wall_ratio"] = results[ref]["latency_s"] / res["latency_s"]
             res["nfe_ratio"] = results[ref]["nfe"] / res["nfe"]
@@ -187,3 +214,25 @@ def compare(backbone, strategies: dict, prompts: list[str], batch_sizes: list[in
 def prompts_needed(num_prompts: int, batch_sizes: list[int], min_batches: int = 1) -> int:
     """How many prompts `compare` needs: `num_prompts`, or `min_batches` batches of the largest batch size."""
     return max([num_prompts] + [min_batches * b for b in batch_sizes])
+
+
+def ops_table(metrics: dict[str, float], names: list[str], batch_sizes: list[int]) -> str:
+    """The aten-op counts of a run with `count_ops` as the lines it prints under its table ('' without them): per
+    batch size, each strategy's ops per target pass (and over the reference's), per target forward, drafting and
+    the rest per pass, and drafting's ops per drafted token ('-' for a decoder that reports no regions)."""
+    if not any(f"{n}/speed/ops_per_pass_bs{b}" in metrics for n in names for b in batch_sizes):
+        return ""
+    w = max([14] + [len(n) + 2 for n in names])
+    cols = [("ops_per_pass", "ops/pass", "{:.0f}"), ("ops_ratio", f"x {names[0]}", "{:.2f}"),
+            ("ops_per_forward", "in forward", "{:.0f}"), ("ops_draft_per_pass", "drafting", "{:.0f}"),
+            ("ops_other_per_pass", "other", "{:.0f}"), ("ops_per_drafted_token", "/drafted tok", "{:.1f}")]
+    lines = ["aten ops (one batch per strategy, counted apart from the timing): per target pass, in one target "
+             "forward, drafting and the rest per pass, drafting per drafted token"]
+    for b in batch_sizes:
+        lines.append(f"{f'batch {b}':<{w}}" + "".join(f"{h:>13}" for _, h, _ in cols))
+        for n in names:
+            if f"{n}/speed/ops_per_pass_bs{b}" in metrics:
+                cells = [fmt.format(metrics[f"{n}/speed/{k}_bs{b}"]) if f"{n}/speed/{k}_bs{b}" in metrics else "-"
+                         for k, _, fmt in cols]
+                lines.append(f"{n:<{w}}" + "".join(f"{c:>13}" for c in cells))
+    return "\n".join(lines)

@@ -12,6 +12,8 @@ The checks read the run's metrics only, so they say what this run measured, on t
       pass_ratio_bs1: [8.0, 6.0]          # goal, floor: times fewer target passes than the reference at batch 1
       wall_ratio_bs1: [3.5, 3.0]          # goal, floor: times the reference's wall clock at batch 1
       batch_share: [16, 0.85]             # batch size, least share of the batch-1 pass ratio kept there
+      ops_ratio_bs1: 1.5                  # at most this many times the reference's aten ops per pass, batch 1
+                                          # (a run with speed.count_ops)
       geneval_max_ci95: 0.03              # GenEval not significantly below the reference's, at intervals this tight
       peers: [sjd, zipar]                 # strategies it must beat in passes at batch 1 (at equal quality)
       also: [ssd_latent]                  # other strategies held to the same targets, each in its own block
@@ -43,7 +45,8 @@ def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
     """Refuse a malformed `targets:` node before a run spends its time: unknown keys, a target strategy the run does
     not decode (`strategies`), a [goal, floor] that is not two numbers or has its floor above its goal, a batch share
     that is not [batch size, share in (0, 1]]. Peers the run leaves out are allowed: they read `not measured`."""
-    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "geneval_max_ci95", "peers", "also"}
+    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "ops_ratio_bs1", "geneval_max_ci95",
+             "peers", "also"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"targets: unknown keys {unknown}: expected some of {sorted(known)}")
@@ -56,6 +59,9 @@ def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
     for key in ("pass_ratio_bs1", "wall_ratio_bs1"):
         if key in spec:
             _pair(spec, key)
+    if "ops_ratio_bs1" in spec and not (isinstance(spec["ops_ratio_bs1"], (int, float)) and spec["ops_ratio_bs1"] > 0):
+        raise ValueError(f"targets.ops_ratio_bs1={spec['ops_ratio_bs1']!r}: give the most ops per pass as a multiple of "
+                         f"the reference's, a positive number, e.g. 1.5")
     if "batch_share" in spec:
         value = spec["batch_share"]
         if not (isinstance(value, Sequence) and len(value) == 2 and isinstance(value[0], int) and value[0] > 1
@@ -87,6 +93,13 @@ def check_targets(metrics: Mapping[str, float], spec: Mapping, reference: str) -
         rows.append(dict(target=f"batch_share: pass ratio at batch {int(batch)} over batch 1's", value=value,
                          goal=float(share), floor=None, verdict=_verdict(value, float(share)),
                          detail="" if value is None else f"{many:.2f}x against {one:.2f}x"))
+    if "ops_ratio_bs1" in spec:  # a most: lower is better
+        most, value = float(spec["ops_ratio_bs1"]), get("speed/ops_ratio_bs1")
+        per, ref_per = get("speed/ops_per_pass_bs1"), metrics.get(f"{reference}/speed/ops_per_pass_bs1")
+        rows.append(dict(target=f"ops_ratio_bs1: {s}'s aten ops per pass over {reference}'s, batch 1 (at most)",
+                         value=value, goal=most, floor=None,
+                         verdict="not measured" if value is None else "met" if value <= most else "missed",
+                         detail="" if value is None else f"{per:.0f} against {ref_per:.0f}"))
     if "geneval_max_ci95" in spec:
         diff, ci = get("geneval/overall_diff"), get("geneval/overall_diff_ci95")
         own, ref = get("geneval/overall_ci95"), metrics.get(f"{reference}/geneval/overall_ci95")

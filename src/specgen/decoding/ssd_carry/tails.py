@@ -63,7 +63,7 @@ class Redraft(_Tail):
         if not tail:
             return [], None
         h, tok, qs = st.hid[image_rows(st, b), at - 1], tokens[own[first]].view(1), []
-        with st.trace.region("draft", what="redraft"):
+        with st.trace.region("draft", what="redraft", tokens=len(tail)):
             for slot in tail:
                 h = drafting.drafter.right(h, st.embed(tok.repeat(st.reps)))  # (reps, D): the state after `tok`
                 q = st.dist(h, drafting.temperature)  # (1, V)
@@ -93,7 +93,7 @@ class Reweight(_Tail):
         at, row, tail = _tail(win, own, first, self.depth)
         if not tail:
             return [], None
-        with st.trace.region("draft", what="reweight"):
+        with st.trace.region("draft", what="reweight", tokens=len(tail)):
             cached = win.drafting.down_rows.get((b, row))
             if cached is not None:
                 return tail, _reweight_down(win, b, tail, at, row, cached, fed, tokens, p)
