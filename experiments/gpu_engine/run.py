@@ -17,7 +17,7 @@ decodes, then the counts; a measurement that would start with less than `--reser
 is skipped and named in the output. metrics.json is rewritten (atomically) after each block.
 
     python experiments/gpu_engine/run.py --out logs/gpu_engine          # on the GPU, about 6-7 minutes
-    python experiments/gpu_engine/run.py --smoke --out /tmp/engine      # tiny sizes on the CPU, seconds
+    python experiments/gpu_engine/run.py --smoke --out <dir>           # tiny sizes on the CPU, seconds
     bash experiments/gpu_engine/run.sh                                  # the same, with a hard time limit
 """
 from __future__ import annotations
