@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specgen.evaluation.generate import decode_batch, job_seed
 from specgen.utils.checkpoints import load_exported
+from specgen.utils import locations
 from specgen.utils.hydra import CONFIG_DIR
 
 CONFIG_KEY = "_specgen_overrides"  # the composition overrides a generator was loaded with
@@ -91,7 +92,7 @@ def _export_folder(path: str | Path) -> Path:
     """A folder as given, else the shipped one of that name under checkpoints/."""
     folder = Path(path)
     if not folder.is_dir() and not folder.is_absolute():
-        shipped = Path(compose().paths.checkpoint_dir) / folder
+        shipped = locations.repo_root() / "checkpoints" / folder  # paths.checkpoint_dir's default
         folder = shipped if shipped.is_dir() else folder
     return folder
 
