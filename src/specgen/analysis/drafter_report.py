@@ -9,8 +9,9 @@ drafts taken greedily), the guided KL, and the drafter's size and cost per draft
 
 The shards are those the distillation stage writes (`data/distill/<key>/val_*.npz`, a key per backbone and
 sampling settings); use a validation shard, never one a drafter was trained on. FLOPs per drafted token count
-2 x the multiply-accumulates of the direction's linear and convolution layers; the backbone's count its
-transformer blocks and head (attention over the context not included), i.e. both are lower bounds of like kind.
+2 x the multiply-accumulates of the direction's linear and convolution layers, plus a row attention's scores and mix
+over the row's W columns; the backbone's count its transformer blocks and head (attention over the context not
+included: a lower bound), so the ratio errs against the drafter.
 """
 from __future__ import annotations
 
@@ -34,11 +35,15 @@ def matmul_flops(module: nn.Module) -> int:
     return sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d)))
 
 
-def draft_flops(net: nn.Module, direction: str) -> int:
-    """Matmul FLOPs per drafted token of one direction: its net, and for a down draft the deeper trunk and the left
-    block where the drafter has them (the left maps are table lookups when decoding: not counted)."""
-    extra = [getattr(net, name) for name in ("down_more", "left_block") if hasattr(net, name)] if direction == "down" else []
-    return matmul_flops(net.nets[direction]) + sum(matmul_flops(m) for m in extra)
+def draft_flops(net: nn.Module, direction: str, row_width: int = 0) -> int:
+    """Matmul FLOPs per drafted token of one direction: its net, and for a down draft the deeper trunk, the row
+    attention (its projections and, over the `row_width` columns attended, scores and mix) and the left block where
+    the drafter has them (the left maps are table lookups when decoding: not counted)."""
+    if direction != "down":
+        return matmul_flops(net.nets[direction])
+    extra = [getattr(net, name) for name in ("down_more", "left_block") if hasattr(net, name)]
+    attn = sum(a.flops_per_position(row_width) for a in getattr(net, "down_attn", []))
+    return matmul_flops(net.nets[direction]) + sum(matmul_flops(m) for m in extra) + attn
 
 
 def backbone_flops(backbone) -> int:
@@ -67,7 +72,7 @@ def evaluate(drafter_dir: str, backbone_dir: str, tokenizer_dir: str, shards: li
                 "backbone_params": sum(p.numel() for p in bb.parameters()),
                 "backbone_flops_per_token": backbone_flops(bb)})
     for d in net.directions:
-        row[f"flops_per_draft_{d}"] = draft_flops(net, d)
+        row[f"flops_per_draft_{d}"] = draft_flops(net, d, bb.grid.width)
     return row
 
 

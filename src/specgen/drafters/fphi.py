@@ -16,8 +16,13 @@ column (`down_trunk`, `down_column`). `left_tokens=k` widens that to the k token
 linear map per distance, so a decoder looks each up in a table per distance), and `down_extra_blocks=n` deepens the
 row trunk by n residual blocks (with the row mixers); both start at zero, so a drafter grown from a trained one
 (`init_strict=false`) starts as that drafter. The trunk runs once per row, so its depth costs little when decoding.
+`down_attention=n` puts n pre-norm self-attention blocks (EAGLE-style: every column of the row above attends to all
+of them, with a sinusoidal column position term) into the row trunk after its input layer; their output projections
+start at zero, so they too grow a trained drafter without changing it at step 0.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -51,6 +56,48 @@ class _RowMixer(nn.Module):
         y = F.pad(self.norm(x), (0, 0, k // 2, k // 2))  # (..., W + k - 1, C): zeros past the row's ends
         cols = y.unfold(-2, k, 1).flatten(-2)  # (..., W, C * k), channel-major as the conv's weight
         return x + F.silu(F.linear(cols, self.conv.weight.flatten(1), self.conv.bias))
+
+
+def column_positions(width: int, channels: int, device=None, dtype=None) -> torch.Tensor:
+    """(width, channels) sinusoidal position code of the columns of a row (any row width, no table to outgrow)."""
+    pos = torch.arange(width, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, channels, 2, device=device, dtype=torch.float32) * (-math.log(1e4) / channels))
+    code = torch.zeros(width, channels, device=device)
+    code[:, 0::2], code[:, 1::2] = torch.sin(pos * freq), torch.cos(pos * freq)[:, : channels // 2]
+    return code.to(dtype) if dtype is not None else code
+
+
+class _RowAttention(nn.Module):
+    """Residual pre-norm self-attention along the row axis: (..., W, C) -> (..., W, C), every column attending to
+    every column of the row (non-causal: the whole row above is known when a row is drafted). The column position
+    code enters the queries and keys only; the output projection is zero-initialised, so the block starts as the
+    identity."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if heads < 1 or width % heads:
+            raise ValueError(f"attention_heads={heads}: expected a divisor of the drafter's width {width}")
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x):
+        F, W, C = torch.nn.functional, x.shape[-2], x.shape[-1]
+        y = self.norm(x)
+        pos = column_positions(W, C, x.device, y.dtype)
+        wq, wk, wv = self.qkv.weight.chunk(3)
+        bq, bk, bv = self.qkv.bias.chunk(3)
+        split = (lambda t: t.unflatten(-1, (self.heads, C // self.heads)).transpose(-2, -3))  # (..., heads, W, C/h)
+        q, k, v = (split(F.linear(y + pos, wq, bq)), split(F.linear(y + pos, wk, bk)), split(F.linear(y, wv, bv)))
+        z = F.scaled_dot_product_attention(q, k, v).transpose(-2, -3).flatten(-2)  # (..., W, C)
+        return x + self.out(z)
+
+    def flops_per_position(self, row_width: int) -> int:
+        """Matmul FLOPs per column: the projections and, over the W columns attended, the scores and the mix."""
+        return 2 * (self.qkv.weight.numel() + self.out.weight.numel()) + 4 * row_width * self.out.in_features
 
 
 class _Block(nn.Module):
@@ -96,8 +143,10 @@ class FPhi(nn.Module):
     def __init__(self, hidden_size: int, preset: str = "s", width_mult: int | None = None,
                  blocks: int | None = None, directions: tuple[str, ...] = DIRECTIONS, backbone_id: str = "",
                  context_kernel: int | None = None, left_context: bool = False, left_tokens: int = 1,
-                 down_extra_blocks: int = 0):
+                 down_extra_blocks: int = 0, down_attention: int = 0, attention_heads: int = 4):
         super().__init__()
+        if down_attention < 0 or (down_attention and "down" not in directions):
+            raise ValueError(f"down_attention={down_attention}: expected 0, or more with 'down' in directions")
         if left_tokens < 1 or (left_tokens > 1 and not left_context):
             raise ValueError(f"left_tokens={left_tokens}: expected 1, or more with left_context=true (the tokens before "
                              f"a down draft are its left context)")
@@ -112,7 +161,7 @@ class FPhi(nn.Module):
                                     tuple(directions), "f_phi", {"down": context_kernel} if context_kernel else None)
         self.hidden_size, self.directions, self.backbone_id = hidden_size, tuple(directions), backbone_id
         self.context_kernel = context_kernel
-        self.row_inputs = ("down",) if context_kernel else ()  # directions whose input is a whole row (..., W, D)
+        self.row_inputs = ("down",) if context_kernel or down_attention else ()  # directions fed a whole row (..., W, D)
         self.in_norm = nn.LayerNorm(hidden_size)  # pre-norm states have a large, growing scale
         for net in self.nets.values():  # start as the identity map h_q -> h_q (a strong first guess)
             nn.init.zeros_(net[-1].weight)
@@ -124,6 +173,10 @@ class FPhi(nn.Module):
             for blk in self.down_more:
                 nn.init.zeros_(blk.mlp[-1].weight)
                 nn.init.zeros_(blk.mlp[-1].bias)
+        self.down_attention = down_attention
+        if down_attention:  # after the down net's input layer; zero output maps: the net starts as the one without them
+            width = self.nets["down"][0].out_features
+            self.down_attn = nn.ModuleList([_RowAttention(width, attention_heads) for _ in range(down_attention)])
         self.left_context, self.left_tokens = left_context, left_tokens
         if left_context:
             if "down" not in directions:
@@ -148,9 +201,21 @@ class FPhi(nn.Module):
                              f"{tuple(hidden.shape)}")
         x = torch.cat([self.in_norm(hidden), next_embed], dim=-1)
         net = self.nets[direction]
-        if direction == "down" and self.down_extra_blocks:
-            return hidden + net[-2:](self.down_more(net[:-2](x)))
+        if direction == "down" and (self.down_extra_blocks or self.down_attention):
+            return hidden + net[-2:](self._down_features(x))
         return hidden + net(x)
+
+    def _down_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The down net's trunk on its input [norm(h), e]: input layer, row attention, blocks, extra blocks."""
+        net = self.nets["down"]
+        if self.down_attention:
+            x = net[0](x)
+            for attn in self.down_attn:
+                x = attn(x)
+            trunk = net[1:-2](x)
+        else:
+            trunk = net[:-2](x)
+        return self.down_more(trunk) if self.down_extra_blocks else trunk
 
     def left_maps(self) -> list[nn.Linear]:
         """The maps of the tokens before a down draft, nearest first (`left_in`, then `left_far`)."""
@@ -175,9 +240,7 @@ class FPhi(nn.Module):
         """The part of the down net that does not depend on the left neighbour: (..., [W,] D) -> (..., [W,] width)."""
         if "down" in self.row_inputs and hidden.ndim < 3:
             raise ValueError(f"f_phi.down mixes context along a row: expected (..., W, D) inputs, got {tuple(hidden.shape)}")
-        net = self.nets["down"]
-        trunk = net[:-2](torch.cat([self.in_norm(hidden), next_embed], dim=-1))
-        return self.down_more(trunk) if self.down_extra_blocks else trunk
+        return self._down_features(torch.cat([self.in_norm(hidden), next_embed], dim=-1))
 
     def down_column(self, trunk: torch.Tensor, hidden: torch.Tensor,
                     left_embed: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
