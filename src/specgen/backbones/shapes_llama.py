@@ -163,8 +163,16 @@ class ShapesLlama(nn.Module):
         return torch.nn.functional.rms_norm(hidden.float(), (hidden.shape[-1],), None, eps).to(hidden.dtype)
 
     def _visual_rows(self) -> torch.Tensor:
-        g = self.grid
-        return self.model.lm_head.weight[g.visual_start: g.visual_start + g.num_visual]
+        """The head's rows of the visual codes, a view kept while the weight is the same tensor at the same version
+        (drafting reads it once per drafted column: a slice each time is an op to dispatch)."""
+        g, w = self.grid, self.model.lm_head.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device, torch.is_inference_mode_enabled(),
+               torch.is_grad_enabled())
+        cached = self.__dict__.get("_visual_rows_view")
+        if cached is None or cached[0] != key:
+            cached = (key, w[g.visual_start: g.visual_start + g.num_visual])
+            self.__dict__["_visual_rows_view"] = cached
+        return cached[1]
 
     @property
     def hidden_size(self) -> int:

@@ -22,7 +22,7 @@ def warp(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.T
     """Temperature and top-k on (..., V) logits; temperature 0 means greedy (returned unchanged)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if temperature > 0:
+    if temperature > 0 and temperature != 1.0:  # x / 1 is x: no op to dispatch
         logits = logits / temperature
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -45,8 +45,8 @@ def uniform(shape: tuple[int, ...], rngs: list[torch.Generator] | None, device) 
         return torch.rand(shape, device=device)
     if len(rngs) != shape[0]:
         raise ValueError(f"need one RNG per row: {shape[0]} rows, {len(rngs)} rngs")
-    if len(rngs) == 1:  # the same draws as the stack below, without its copy (batch 1 draws every drafted token)
-        return torch.rand(shape[1:], generator=rngs[0], device=device).unsqueeze(0)
+    if len(rngs) == 1:  # the same draws as the stack below in one op (batch 1 draws every drafted token)
+        return torch.rand(shape, generator=rngs[0], device=device)
     return torch.stack([torch.rand(shape[1:], generator=g, device=device) for g in rngs])
 
 

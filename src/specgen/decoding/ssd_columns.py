@@ -28,11 +28,15 @@ def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Ten
     trunks = trunk.reshape(reps, S, W, -1)  # (reps, S, W, width)
     above = hidden.reshape(reps, S, W, -1)  # (reps, S, W, D)
     buf = torch.cat([before[:S], guess], 1)  # (S, k + W): the k tokens before column 0, then the row as assumed
+    maps = table.unbind(0)  # k x (image tokens, width), nearest first
     q = None
     lo = 0  # columns from here on read a left token that changed
     while lo < W:
-        left = sum(table[j - 1][buf[:, k + lo - j:k + W - j]] for j in range(1, k + 1))  # (S, W - lo, width)
-        state = drafter.down_step(trunks[:, :, lo:], above[:, :, lo:], left)  # (reps, S, W - lo, D)
+        left = maps[0][buf[:, k + lo - 1:k + W - 1]]  # (S, W - lo, width): the nearest left tokens' features
+        for j in range(2, k + 1):
+            left = left + maps[j - 1][buf[:, k + lo - j:k + W - j]]
+        cut = (lambda t: t) if lo == 0 else (lambda t: t[:, :, lo:])  # noqa: E731
+        state = drafter.down_step(cut(trunks), cut(above), left)  # (reps, S, W - lo, D)
         q_lo = st.dist(state, draft_temperature)[0] if reps == 2 else st.dist(state[0], draft_temperature)
         cdf = q_lo.cumsum(-1)  # (S, W - lo, V)
         tok = torch.searchsorted(cdf, (u[:, lo:] * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
@@ -41,12 +45,13 @@ def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Ten
         if q is None:
             q = q_lo
         else:
-            q[:, lo:] = q_lo
-        differs = (tok != buf[:, k + lo:]).any(0).nonzero()  # columns (from lo) drawn other than assumed
-        buf[:, k + lo:] = tok
-        if not differs.numel():
+            q[:, lo:].copy_(q_lo)
+        assumed = buf[:, k + lo:]
+        differs = (tok != assumed).any(0).tolist()  # columns (from lo) drawn other than assumed
+        assumed.copy_(tok)
+        if True not in differs:
             break
-        lo += int(differs[0]) + 1
+        lo += differs.index(True) + 1
     return buf[:, k:], q
 
 

@@ -39,8 +39,20 @@ class StateWindow:
         self.buf[:, start - self.base:end - self.base] = hidden
         self.peak_slots = max(self.peak_slots, self.buf.shape[1])
 
+    def read(self, rows, slots: torch.Tensor, low: int, high: int) -> torch.Tensor:
+        """`self[rows, slots]` where the caller knows the slots' smallest and largest values (`low`, `high`): the
+        checks are made on those ints, so a read is two ops (a decoder reads the window's states every pass)."""
+        if low < self.base:
+            raise RuntimeError(f"the state at slot {low} was released (states are kept from slot {self.base}): "
+                               f"the decoder released too early")
+        if high - self.base >= self.buf.shape[1]:
+            return self[rows, slots]  # a slot not computed yet: the general read
+        return self.buf[rows, slots - self.base]
+
     def __getitem__(self, key):
         rows, slots = key
+        if isinstance(slots, int) and self.base <= slots < self.base + self.buf.shape[1]:
+            return self.buf[rows, slots - self.base]
         low = int(slots.min()) if torch.is_tensor(slots) else int(slots)
         if low < self.base:
             raise RuntimeError(f"the state at slot {low} was released (states are kept from slot {self.base}): "

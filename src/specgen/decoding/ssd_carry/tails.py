@@ -127,31 +127,34 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
     u = uniform((1, len(tail)), st.image_gens([b]), p.device)[0]  # (m,): the tail's draws, in order
 
     def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
-        idx, feats = torch.arange(part[0], part[-1] + 1, device=tokens.device), 0
+        a, b_, feats = part[0], part[-1] + 1, None
         for j in range(1, k + 1):
-            if win.slots[part[0]] - j >= at:  # every one after the change: as drawn (new) and as fed (old)
-                left = torch.stack([tokens[idx - j], fed[idx - j]])  # (2, m)
+            if win.slots[a] - j >= at:  # every one after the change: as drawn (new) and as fed (old)
+                left = torch.stack([tokens[a - j:b_ - j], fed[a - j:b_ - j]])  # (2, m)
             else:
                 left = torch.stack([torch.stack([tokens[i - j], fed[i - j]]) if win.slots[i] - j >= at
                                     else st.seq[b, win.slots[i] - j].expand(2) for i in part], 1)
-            feats = feats + table[j - 1][left]  # (2, m, width)
-        c = win.slots[part[0]] - start
-        h = drafter.down_step(trunk[None, :, c:c + len(part)], hidden[None, :, c:c + len(part)], feats[:, None])
+            f = table[j - 1][left]  # (2, m, width)
+            feats = f if feats is None else feats + f
+        c = win.slots[a] - start
+        # (2, reps, m, D): the pair broadcasts over the CFG streams (the same sums as with the rows repeated)
+        h = drafter.down_step(trunk[:, c:c + len(part)], hidden[:, c:c + len(part)], feats[:, None])
         st.draft_calls += 1
-        return _pair_logits(st, h)  # h: (2, reps, m, D)
+        return _pair_logits(st, h)
 
     qs, i = [], 0
     while i < len(tail):
         part = tail[i:]
-        pair = logits(part)
-        q = torch.softmax(p[part[0]:part[-1] + 1].log() + (pair[0] - pair[1]) / temperature, -1)  # (m - i, V)
+        new, old = logits(part).unbind(0)
+        shift = new - old if temperature == 1.0 else (new - old) / temperature
+        q = torch.softmax(p[part[0]:part[-1] + 1].log() + shift, -1)  # (m - i, V)
         tok = inverse_cdf(q, u[i:])
-        moved = (tok != tokens[part[0]:part[-1] + 1]).nonzero().flatten().tolist()
-        n = moved[0] + 1 if moved else len(part)  # through the first token drawn other than it stood
-        tokens[part[0]:part[0] + n] = tok[:n]
-        qs.append(q[:n])
+        moved = (tok != tokens[part[0]:part[-1] + 1]).tolist()
+        n = moved.index(True) + 1 if True in moved else len(part)  # through the first token drawn other than it stood
+        tokens[part[0]:part[0] + n] = tok if n == len(part) else tok[:n]
+        qs.append(q if n == len(part) else q[:n])
         i += n
-    return torch.cat(qs)
+    return qs[0] if len(qs) == 1 else torch.cat(qs)
 
 
 def _pair_logits(st: SpecState, states: torch.Tensor) -> torch.Tensor:

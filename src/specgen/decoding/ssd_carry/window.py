@@ -158,8 +158,8 @@ class CarryWindow:
             self.fresh = torch.cat([self.fresh, self.fresh.new_zeros(self.st.B, len(extra))], 1)
         for i, (b, r) in enumerate(zip(images, rows)):
             at = bisect_left(self.slots, g.position(r, 0))  # a row's visual positions are consecutive window slots
-            self.prop[b, at:at + g.width] = q[i]
-            self.fresh[b, at:at + g.width] = True
+            _span(self.prop, b, at, g.width).copy_(q[i])
+            _span(self.fresh, b, at, g.width).fill_(True)
             self.drafted_upto[b] = g.position(r, g.width - 1) + 1
             self.next_row[b] = r + 1
             self.spent[b] = 0
@@ -176,26 +176,31 @@ class CarryWindow:
         waits without a pass, as if its next row came at once, so its draws stay its own."""
         st, pos, slots = self.st, self.pos, self.slots
         act = [b for b, (live, held) in enumerate(zip(self.live(), self.wants())) if live and not held]
-        p = st.dist(st.hid[:, pos - 1])
+        p = st.dist(st.hid.read(slice(None), pos - 1, slots[0] - 1, slots[-1] - 1))
         cur = st.visual(pos)
-        new = cur.clone()
+        # batch 1 with its window the whole window (every pass but the first of a row): judged without views
+        whole = len(act) == st.B == 1 and self.final_upto[0] <= slots[0] and self.drafted_upto[0] > slots[-1]
+        new = None if whole else cur.clone()
         proposals, acted, moved = [], [], None  # moved: the first slot whose token the pass changed
         for b in act:  # per-image draws, over the image's own window only: a run of window slots [lo, hi)
-            lo, hi = bisect_left(slots, self.final_upto[b]), bisect_left(slots, self.drafted_upto[b])
+            lo, hi = (0, len(slots)) if whole else (bisect_left(slots, self.final_upto[b]),
+                                                    bisect_left(slots, self.drafted_upto[b]))
             acted.append((b, lo, hi))
-            change = self._judge_image(b, range(lo, hi), cur, new, p, proposals)
+            change, judged = self._judge_image(b, range(lo, hi), cur, new, p, proposals)
+            new = judged if whole else new
             if change is not None:
                 moved = change if moved is None else min(moved, change)
-        st.write_tokens(pos, new, moved)
-        if len(acted) == st.B == 1 and acted[0][1:] == (0, len(slots)):  # the whole window: p is every proposal
-            self.prop = p.to(self.prop.dtype)
+        if new is not None:
+            st.write_tokens(pos, new, moved)
+        if whole:  # p is every proposal
+            self.prop = p if p.dtype == self.prop.dtype else p.to(self.prop.dtype)
         else:
             for b, lo, hi in acted:
                 self.prop[b, lo:hi] = p[b, lo:hi]
         for b, tail, q in proposals:  # a tail's new tokens are judged against its proposals next pass
-            if tail:
-                at = slice(tail[0], tail[-1] + 1)  # consecutive window slots
-                self.prop[b, at], self.fresh[b, at] = q, True
+            if tail:  # consecutive window slots
+                _span(self.prop, b, tail[0], len(tail)).copy_(q)
+                _span(self.fresh, b, tail[0], len(tail)).fill_(True)
         for b, _, _ in acted:
             self.spent[b] += 1
             self.passes[b] += 1
@@ -205,30 +210,39 @@ class CarryWindow:
             self.slots = slots[drop:]
             self.pos, self.prop, self.fresh = pos[drop:], self.prop[:, drop:], self.fresh[:, drop:]
 
-    def _judge_image(self, b: int, own: range, cur: torch.Tensor, new: torch.Tensor, p: torch.Tensor,
-                     proposals: list) -> int | None:
+    def _judge_image(self, b: int, own: range, cur: torch.Tensor, new: torch.Tensor | None, p: torch.Tensor,
+                     proposals: list) -> tuple[int | None, torch.Tensor]:
         """Image b's part of `judge`: its window slots `own`, the tokens as fed (`cur`) and as judged (`new`, written
-        in place), the pass's p. Moves its window on, appends a tail's proposals to `proposals`; returns the first
-        sequence slot it changed, or None."""
+        in place; None: the image's window is the whole batch-1 window, judged without views), the pass's p. Moves its
+        window on, appends a tail's proposals to `proposals`; returns the first sequence slot it changed (or None) and
+        the judged tokens (1, n)."""
         slots, lo, hi = self.slots, own.start, own.stop
-        nb, acc = self.judgement(cur[b:b + 1, lo:hi], p[b:b + 1, lo:hi], self.prop[b:b + 1, lo:hi],
-                                 self.fresh[b:b + 1, lo:hi], self.st.image_gens([b]))
-        new[b, lo:hi] = nb[0]
-        changed = nb[0] != cur[b, lo:hi]
-        where = changed.nonzero().flatten().tolist()
-        first = where[0] if where else hi - lo - 1
-        self.stats.record(b, self.fresh[b, lo:hi].clone(), changed, first)
-        self.fresh[b, lo:hi] = False
+        part = (lambda t: t) if new is None else (lambda t: t[b:b + 1, lo:hi])  # noqa: E731
+        fed, fresh = part(cur), part(self.fresh)
+        nb, acc = self.judgement(fed, part(p), part(self.prop), fresh, self.st.image_gens([b]))
+        if new is not None:
+            new[b, lo:hi] = nb[0]
+        changed = (nb != fed).view(-1)
+        first = next((i for i, c in enumerate(changed.tolist()) if c), None)  # the first change, found in Python
+        where = first is not None
+        first = hi - lo - 1 if first is None else first
+        if new is None:  # the whole window was judged: every flag is cleared at once
+            self.stats.record(b, fresh.view(-1), changed, first)
+            self.fresh = torch.zeros_like(self.fresh)
+        else:
+            self.stats.record(b, fresh[0].clone(), changed, first)
+            self.fresh[b, lo:hi] = False
         self.final_upto[b] = slots[lo + first] + 1  # final through the first change
         if where and self.tails:
             row = self.st.g.row_col(slots[lo + first])[0]
             tail = next((t for t in self.tails if t.serves(row)), None)
             if tail is not None:
-                proposals.append((b, *tail.propose(self, b, own, first, cur[b], new[b], p[b])))
-        self._record_first_judgement(b, lo, hi, acc[0])
+                judged = nb[0] if new is None else new[b]
+                proposals.append((b, *tail.propose(self, b, own, first, cur[b], judged, p[b])))
+        self._record_first_judgement(b, lo, hi, acc)
         if self.spent[b] <= self.schedule.rounds:  # within the newest row's budget (later passes: carried tokens)
             self.rounds[b][self.next_row[b] - 1] += 1
-        return slots[lo + first] if where else None
+        return (slots[lo + first] if where else None), nb
 
     def _update_final_rows(self) -> None:
         """After a pass: where an image's frontier row moved (a row became final), record the passes it took and drop
@@ -245,8 +259,8 @@ class CarryWindow:
                     final[r] = self.passes[b] + 1
 
     def _record_first_judgement(self, b: int, lo: int, hi: int, accepted: torch.Tensor) -> None:
-        """Image b's freshly drafted row: the acceptance of each of its tokens at its first judgement (window slots
-        [lo, hi))."""
+        """Image b's freshly drafted row: the acceptance (1, hi - lo) of each of its tokens at its first judgement
+        (window slots [lo, hi))."""
         r, g = self.first_row[b], self.st.g
         if r < 0:
             return
@@ -255,7 +269,7 @@ class CarryWindow:
         j = bisect_left(self.slots, end, i, hi)
         if j > i:  # consecutive window slots hold consecutive columns of one row
             c = self.slots[i] - start
-            self.accept_map[b, r, c:c + j - i] = accepted[i - lo:j - lo]
+            self.accept_map[b, r, c:c + j - i] = accepted[0, i - lo:j - lo]
             self.recorded[b] = self.slots[j - 1] + 1
         if self.slots[hi - 1] >= end - 1:  # its last token judged: the map is whole
             self.first_row[b] = -1
@@ -263,3 +277,9 @@ class CarryWindow:
     def pass_stats(self) -> dict[str, torch.Tensor]:
         """Per image, where the passes went (`stats.PassStats.summary`)."""
         return self.stats.summary(torch.tensor(self.passes, device=self.st.seq.device))
+
+
+def _span(t: torch.Tensor, b: int, start: int, n: int) -> torch.Tensor:
+    """Image b's window slots [start, start + n) of a per-image tensor (B, window, ...), as a view to write through
+    (one op at batch 1, where indexing would dispatch three)."""
+    return t.narrow(1, start, n) if t.shape[0] == 1 else t[b].narrow(0, start, n)
