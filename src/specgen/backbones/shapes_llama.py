@@ -124,7 +124,13 @@ class ShapesLlama(nn.Module):
     def forward_embeds(self, embeds: torch.Tensor, slots: torch.Tensor, cache: DynamicCache | StaticCache,
                        attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The protocol's forward: input embeddings (B, q, D) at slots (q,) or (B, q) -> pre-norm hidden (B, q, D).
-        Slots are position ids here (the prompt slot is never padded)."""
+        Slots are position ids here (the prompt slot is never padded). Several tokens fed after a cached prefix
+        without a mask attend causally by cache index, as transformers' own mask has them; that mask is built here in
+        three ops (transformers' builds it in about twenty: a speculative decoder feeds such blocks every pass)."""
+        q = embeds.shape[1]
+        if attn_mask is None and q > 1 and isinstance(cache, DynamicCache) and cache.get_seq_length() > 0:
+            past = cache.get_seq_length()
+            attn_mask = torch.ones(1, 1, q, past + q, dtype=torch.bool, device=embeds.device).tril(past)
         if slots.ndim == 1:
             slots = slots.unsqueeze(0).expand(embeds.shape[0], -1)
         out = self.model.model(inputs_embeds=embeds, position_ids=slots, cache=cache, attention_mask=attn_mask,

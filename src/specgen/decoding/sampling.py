@@ -66,28 +66,32 @@ def make_rngs(seeds: list[int], device="cpu") -> list[torch.Generator]:
 
 def sample_probs(p: torch.Tensor, rngs: list[torch.Generator] | None = None) -> torch.Tensor:
     """Draw ids from probabilities (B, ..., V) by inverse CDF (exact argmax for one-hot rows)."""
-    return inverse_cdf(p, uniform(tuple(p.shape[:-1]), rngs, p.device))
+    return inverse_cdf(p, uniform(tuple(p.shape[:-1]) + (1,), rngs, p.device))
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Ids from probabilities (..., V) at uniform draws u (...,) in [0, 1): `sample_probs` with its draws given (a
     decoder drawing one token per step can draw the uniforms of all its steps at once: per generator, n draws at once
-    are the n draws one at a time)."""
+    are the n draws one at a time). `u` may also be (..., 1): the same draws, one op fewer."""
     cdf = p.cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
+    x = u * cdf[..., -1:] if u.dim() == p.dim() else (u * cdf[..., -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(p.shape[-1] - 1)
 
 
 def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
                        rngs: list[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling at every position: keep token t ~ q with prob min(1, p(t)/q(t)), else
     redraw from the residual norm(max(0, p - q)). tokens (B, N), p/q (B, N, V) -> (tokens, accepted)."""
-    return _keep_or_residual(tokens, p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), p, q, rngs)
+    at = tokens.unsqueeze(-1)
+    return _keep_or_residual(tokens, p.gather(-1, at).squeeze(-1), p, q, rngs, at)
 
 
 def _keep_or_residual(tokens: torch.Tensor, pt: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                      rngs: list[torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep each token with prob min(1, pt/q(t)) (pt: the target's mass for it), else redraw from norm(max(0, p - q))."""
-    qt = q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+                      rngs: list[torch.Generator] | None,
+                      at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep each token with prob min(1, pt/q(t)) (pt: the target's mass for it), else redraw from norm(max(0, p - q));
+    `at`: the tokens as (..., 1) gather indices, where the caller has them."""
+    qt = q.gather(-1, tokens.unsqueeze(-1) if at is None else at).squeeze(-1)
     accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt  # u < pt/q without dividing
     resid = (p - q).clamp_min(0)
     mass = resid.sum(-1, keepdim=True)

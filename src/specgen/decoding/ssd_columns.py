@@ -29,17 +29,18 @@ def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Ten
     above = hidden.reshape(reps, S, W, -1)  # (reps, S, W, D)
     buf = torch.cat([before[:S], guess], 1)  # (S, k + W): the k tokens before column 0, then the row as assumed
     maps = table.unbind(0)  # k x (image tokens, width), nearest first
+    draws = u.unsqueeze(-1)  # (S, W, 1): each column's draw, scaled by its cdf's total as `inverse_cdf` does
     q = None
     lo = 0  # columns from here on read a left token that changed
     while lo < W:
         left = maps[0][buf[:, k + lo - 1:k + W - 1]]  # (S, W - lo, width): the nearest left tokens' features
         for j in range(2, k + 1):
             left = left + maps[j - 1][buf[:, k + lo - j:k + W - j]]
-        cut = (lambda t: t) if lo == 0 else (lambda t: t[:, :, lo:])  # noqa: E731
+        cut = (lambda t: t) if lo == 0 else (lambda t: t[..., lo:, :])  # noqa: E731  (columns from lo on)
         state = drafter.down_step(cut(trunks), cut(above), left)  # (reps, S, W - lo, D)
         q_lo = st.dist(state, draft_temperature)[0] if reps == 2 else st.dist(state[0], draft_temperature)
         cdf = q_lo.cumsum(-1)  # (S, W - lo, V)
-        tok = torch.searchsorted(cdf, (u[:, lo:] * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+        tok = torch.searchsorted(cdf, cut(draws) * cdf[..., -1:], right=True).squeeze(-1)
         tok = tok.clamp_max(q_lo.shape[-1] - 1)
         st.draft_calls += 1
         if q is None:
@@ -47,7 +48,8 @@ def draft_columns(st: SpecState, drafter, trunk: torch.Tensor, hidden: torch.Ten
         else:
             q[:, lo:].copy_(q_lo)
         assumed = buf[:, k + lo:]
-        differs = (tok != assumed).any(0).tolist()  # columns (from lo) drawn other than assumed
+        ne = tok != assumed  # columns (from lo) drawn other than assumed, in any of the rows
+        differs = ne.tolist()[0] if S == 1 else ne.any(0).tolist()
         assumed.copy_(tok)
         if True not in differs:
             break

@@ -26,6 +26,7 @@ class Drafting:
         self.down_rows: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
             {} if keep_down_rows else None)
         self._left_table: torch.Tensor | None = None
+        self._left_maps: tuple[torch.Tensor, ...] | None = None
 
     def right(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row` of every image: f_phi.right chained from the target state before the row (row 0: the last
@@ -52,37 +53,51 @@ class Drafting:
                     st.draft_calls += 1
         return torch.stack(codes, 1), torch.stack(qs, 1)  # (B, W), (B, W, V)
 
-    def down(self, rows: torch.Tensor, images: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows `rows` (S,) of images `images` (S,; default: every image), all columns at once:
-        f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above (with left context: `_down_left`)."""
+    def down(self, rows: torch.Tensor | int, images: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `rows` (S,) of images `images` (S,; default: every image), or row `rows` (an int) of every image, all
+        columns at once: f_phi.down(h_{P(r-1, c) - 1}, e(x_{r-1, c})) on the row above (with left context:
+        `_down_left`). For one row of every image the row above is one run of slots, read without per-image index
+        tensors."""
         st, g = self.st, self.st.g
-        images = torch.arange(st.B, device=rows.device) if images is None else images
-        above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)  # (S', W)
-        rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
+        if isinstance(rows, int):
+            images, rep = list(range(st.B)), slice(None)
+            start = g.position(rows - 1, 0)
+            above = torch.arange(start, start + g.width, device=st.seq.device)  # (W,): the row above, every image
+            hidden = st.hid.read(rep, above - 1, start - 1, start + g.width - 2)  # (B', W, D)
+        else:
+            images = torch.arange(st.B, device=rows.device) if images is None else images
+            above = g.position(rows[:, None] - 1, torch.arange(g.width, device=rows.device)).repeat(st.reps, 1)
+            rep = torch.cat([images + k * st.B for k in range(st.reps)])[:, None]  # (S', 1): the images' CFG rows
+            hidden = st.hid[rep, above - 1]  # (S', W, D)
         with st.trace.region("draft", what="down", tokens=len(images) * g.width):
             if self.drafter.left_context:
-                return self._down_left(above, rep, images)
-            h = self.drafter.down(st.hid[rep, above - 1], st.embed(st.seq[rep, above]))  # (S', W, D) or logits
+                return self._down_left(above, rep, images, hidden, start if isinstance(rows, int) else None)
+            h = self.drafter.down(hidden, st.embed(st.seq[rep, above]))  # (S', W, D) or logits
             st.draft_calls += 1
             q = st.dist_logits(h, self.temperature) if self.tokens_out else st.dist(h, self.temperature)
             return sample_probs(q, st.image_gens(images)), q
 
-    def _down_left(self, above: torch.Tensor, rep: torch.Tensor,
-                   images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _down_left(self, above: torch.Tensor, rep, images, hidden: torch.Tensor,
+                   run: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Down drafts with left context: the row trunk once, then column by column, each from the previous
-        column's draft, found by fixed-point iteration (`ssd_columns.draft_columns`)."""
+        column's draft, found by fixed-point iteration (`ssd_columns.draft_columns`). `above` (S', W) with `rep`
+        (S', 1), or (W,) with `rep` a slice where one row of every image is drafted (`run`: its row above's first
+        slot)."""
         st, g = self.st, self.st.g
-        hidden = st.hid[rep, above - 1]  # (S', W, D)
+        S, k = len(images), self.drafter.left_tokens
         trunk = self.drafter.down_trunk(hidden, st.embed(st.seq[rep, above]))  # (S', W, width)
         if self.down_rows is not None:
-            S, rows = len(images), g.row_col(above[:len(images), 0])[0] + 1
-            for i, (b, r) in enumerate(zip(images.tolist(), rows.tolist())):
-                self.down_rows[b, r] = (trunk[i::S], hidden[i::S])  # (reps, W, width), (reps, W, D)
-        k = self.drafter.left_tokens
-        first = above[:, :1] + g.stride  # (S', 1): each row's column 0
-        before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k): the tokens before it
-        u = uniform((len(images), g.width), st.image_gens(images), before.device)  # (S, W): the columns' draws
-        guess = st.seq[rep[:len(images)], above[:len(images)]]  # (S, W): the row above
+            first_slots = [run] * S if run is not None else above[:S, 0].tolist()
+            for i, (b, slot) in enumerate(zip(list(images), first_slots)):
+                self.down_rows[int(b), g.row_col(slot)[0] + 1] = (trunk[i::S], hidden[i::S])  # (reps, W, ...)
+        u = uniform((S, g.width), st.image_gens(images), st.seq.device)  # (S, W): the columns' draws
+        if run is not None:  # the k tokens before column 0 and the row above, as slices of every image's stream
+            first = run + g.stride
+            before, guess = st.seq[:, first - k:first], st.seq[:S, above]
+        else:
+            first = above[:, :1] + g.stride  # (S', 1): each row's column 0
+            before = st.seq[rep[:, :1], first - k + torch.arange(k, device=first.device)]  # (S', k)
+            guess = st.seq[rep[:S], above[:S]]  # (S, W): the row above
         return draft_columns(st, self.drafter, trunk, hidden, before, self.left_table(), u, self.temperature, guess)
 
     def left_table(self) -> torch.Tensor:
@@ -94,6 +109,12 @@ class Drafting:
             e = st.embed(torch.arange(g.num_visual + len(g.forced_ids), device=st.seq.device))
             self._left_table = torch.stack([m(e) for m in self.drafter.left_maps()])
         return self._left_table
+
+    def left_maps(self) -> tuple[torch.Tensor, ...]:
+        """`left_table` as k tables (image tokens, width), nearest first (split once per generation)."""
+        if self._left_maps is None:
+            self._left_maps = self.left_table().unbind(0)
+        return self._left_maps
 
     def drop_rows(self, final_below: list[int]) -> None:
         """Forget the kept down rows of image b above row final_below[b] (they are final: never proposed again)."""

@@ -36,7 +36,7 @@ class StateWindow:
             if grow > 0:  # grow by at least the current size: amortised appends
                 extra = max(grow, self.buf.shape[1])
                 self.buf = torch.cat([self.buf, self.buf.new_zeros(self.buf.shape[0], extra, self.buf.shape[2])], 1)
-        self.buf[:, start - self.base:end - self.base] = hidden
+        self.buf.narrow(1, start - self.base, end - start).copy_(hidden)
         self.peak_slots = max(self.peak_slots, self.buf.shape[1])
 
     def read(self, rows, slots: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -172,6 +172,13 @@ class SpecState:
     def set_tokens(self, positions: torch.Tensor, codes: torch.Tensor, images: torch.Tensor | None = None) -> None:
         """Write visual codes (S, n) at positions (n,) or per image (S, n) of images (S,) (default: every image),
         invalidating the cache from the first change."""
+        if images is None and positions.ndim == 1:  # every image at the same positions: no row index to build
+            new = codes.repeat(self.reps, 1) if self.reps > 1 else codes
+            changed = (self.seq[:, positions] != new).any(0).tolist()
+            if True in changed:
+                self.cached = min(self.cached, min(q for q, c in zip(positions.tolist(), changed) if c))
+                self.seq[:, positions] = new
+            return
         images = torch.arange(self.B, device=codes.device) if images is None else images
         rows = torch.cat([images + k * self.B for k in range(self.reps)])[:, None]  # (S', 1): with the CFG rows
         pos = positions.expand(len(images), -1) if positions.ndim == 1 else positions

@@ -1,7 +1,7 @@
 """How the carry window judges its tokens (`acceptance:` of `ssd_carry.generate`), one class per rule, each with its
 own parameters. `bind(st)` gives the judgement of one generation: (tokens (1, n), p (1, n, V), q (1, n, V), fresh
 (1, n), generators) -> (tokens, accepted), (1, n) each; `fresh` marks drafts not judged before, the rest are tokens
-carried from an earlier pass (their proposal: that pass's p)."""
+carried from an earlier pass (their proposal: that pass's p); a rule with `reads_fresh` false is given None."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,6 +18,8 @@ Judge = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 class Speculative:
     """The paper's test: keep t ~ q with probability min(1, p(t)/q(t)), else draw from norm(max(0, p - q))."""
 
+    reads_fresh = False  # fresh drafts and carried tokens are judged alike (`fresh` may be None)
+
     def bind(self, st: SpecState) -> Judge:
         return lambda tokens, p, q, fresh, gens: accept_or_resample(tokens, p, q, gens)
 
@@ -28,6 +30,7 @@ class _Relaxed:
 
     def __init__(self, carried_only: bool = False):
         self.carried_only = carried_only
+        self.reads_fresh = carried_only
 
     def _judge(self, st: SpecState) -> Judge:
         raise NotImplementedError

@@ -21,7 +21,7 @@ class PassStats:
         self.last_changed = torch.zeros(B, dtype=torch.bool, device=device)  # the image's last pass changed a token
         self.log: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # passes recorded, not counted yet
 
-    def record(self, b: int, fresh: torch.Tensor, changed: torch.Tensor, first: int) -> None:
+    def record(self, b: int, fresh: list[bool], changed: torch.Tensor, first: int) -> None:
         """Add image b's pass: which of its judged tokens (in window order) were fresh and which changed, and the
         index of the last token the pass finalised (its first change, or its last token). Kept as it is and counted
         when the statistics are read (`flush`): counting per pass cost about 70 small ops a pass, 5% of a decode's."""
@@ -31,9 +31,9 @@ class PassStats:
         """Count the recorded passes, each image's in one go (the same counts as pass by pass, in pass order)."""
         c, W2 = self.counts, self.by_distance.shape[-1]
         for b, passes in self.log.items():
-            fresh = torch.cat([f for f, _, _ in passes])
-            changed = torch.cat([ch for _, ch, _ in passes])
-            lens = torch.tensor([f.numel() for f, _, _ in passes], device=fresh.device)
+            changed = torch.cat([ch for _, ch, _ in passes], -1).view(-1)  # (1, n) or (n,) a pass
+            fresh = torch.tensor([x for f, _, _ in passes for x in f], dtype=torch.bool, device=changed.device)
+            lens = torch.tensor([len(f) for f, _, _ in passes], device=fresh.device)
             starts = lens.cumsum(0) - lens  # each pass's first token in the flat order
             which = torch.repeat_interleave(torch.arange(len(passes), device=fresh.device), lens)
             any_ = torch.zeros(len(passes), device=fresh.device).index_add_(0, which, changed.float()) > 0

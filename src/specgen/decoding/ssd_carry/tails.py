@@ -121,10 +121,10 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
     writes the tokens in place. The tail is consecutive window slots (consecutive columns of one row)."""
     st, drafter = win.st, win.drafting.drafter
     trunk, hidden = cached  # (reps, W, width), (reps, W, D)
-    table = win.drafting.left_table()  # (k, image tokens, width)
-    k, start = table.shape[0], st.g.position(row, 0)
+    table = win.drafting.left_maps()  # k x (image tokens, width)
+    k, start = len(table), st.g.position(row, 0)
     temperature = st.temperature if st.temperature > 0 else 1.0
-    u = uniform((1, len(tail)), st.image_gens([b]), p.device)[0]  # (m,): the tail's draws, in order
+    u = uniform((1, len(tail), 1), st.image_gens([b]), p.device)[0]  # (m, 1): the tail's draws, in order
 
     def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
         a, b_, feats = part[0], part[-1] + 1, None
@@ -148,10 +148,10 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
         new, old = logits(part).unbind(0)
         shift = new - old if temperature == 1.0 else (new - old) / temperature
         q = torch.softmax(p[part[0]:part[-1] + 1].log() + shift, -1)  # (m - i, V)
-        tok = inverse_cdf(q, u[i:])
+        tok = inverse_cdf(q, u[i:] if i else u)
         moved = (tok != tokens[part[0]:part[-1] + 1]).tolist()
         n = moved.index(True) + 1 if True in moved else len(part)  # through the first token drawn other than it stood
-        tokens[part[0]:part[0] + n] = tok if n == len(part) else tok[:n]
+        tokens.narrow(0, part[0], n).copy_(tok if n == len(part) else tok[:n])
         qs.append(q if n == len(part) else q[:n])
         i += n
     return qs[0] if len(qs) == 1 else torch.cat(qs)

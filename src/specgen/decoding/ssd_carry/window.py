@@ -39,9 +39,10 @@ class CarryWindow:
     depend on its batch (up to floating-point differences of batched matmuls), and batch-1 decoding is the
     reference of every batch size.
 
-    The per-image bookkeeping (where each window starts and ends, rows, passes) is kept in Python lists: on a CPU
-    each small tensor op costs microseconds of dispatch. Tensors hold what is per token: the window's proposals,
-    which of its tokens are fresh drafts, and the first-judgement acceptance map (`accept_map`, (B, H, W))."""
+    The per-image bookkeeping (where each window starts and ends, rows, passes, which window tokens are fresh drafts,
+    the first-judgement acceptance of each token) is kept in Python lists: on a CPU each small tensor op costs
+    microseconds of dispatch. Tensors hold the window's proposals (B, n, V); `accept_map` (B, H, W) is built from the
+    lists when read."""
 
     def __init__(self, st: SpecState, schedule: Schedule, drafting: Drafting, tails=(), acceptance=None):
         B, dev, g = st.B, st.seq.device, st.g
@@ -55,14 +56,20 @@ class CarryWindow:
         self.rows_final = [[-1] * g.height for _ in range(B)]  # its passes (prefill included) when a row was final
         self.rounds = [[0] * g.height for _ in range(B)]  # passes each row took within its budget
         self.first_row = [-1] * B  # row awaiting its first pass
-        self.accept_map = torch.zeros(B, g.height, g.width, dtype=torch.bool, device=dev)  # first-judgement acceptance
+        self.accepted = [[[False] * g.width for _ in range(g.height)] for _ in range(B)]  # first-judgement acceptance
         self.pos = torch.zeros(0, dtype=torch.long, device=dev)  # (n,) union window, ascending
         self.slots: list[int] = []  # the same, as ints
         self.prop = torch.zeros(B, 0, g.num_visual, device=dev)  # (B, n, V) proposal of each window token
-        self.fresh = torch.zeros(B, 0, dtype=torch.bool, device=dev)  # (B, n) drafted, not judged yet
+        self.fresh: list[list[bool]] = [[] for _ in range(B)]  # per image and window slot: drafted, not judged yet
+        self.reads_fresh = getattr(acceptance, "reads_fresh", True)  # whether the test reads those flags
         self.stats = PassStats(B, g.width, dev)  # where the passes go (`pass_stats`)
         self.recorded = [0] * B  # first-pass acceptance recorded below this slot
         self.front_seen = None  # each image's frontier row when the rows' final passes were last updated
+
+    @property
+    def accept_map(self) -> torch.Tensor:
+        """(B, H, W) whether each token was accepted at its first judgement."""
+        return torch.tensor(self.accepted, dtype=torch.bool, device=self.st.seq.device)
 
     @property
     def row_final(self) -> torch.Tensor:
@@ -135,14 +142,20 @@ class CarryWindow:
         if not images:
             return
         rows = [self.next_row[b] for b in images]
+        every = len(images) == st.B and min(rows) == max(rows)  # one row of every image: no index tensors
         if vertical and min(rows) > 0:
-            draft, q = self.drafting.down(torch.tensor(rows, device=dev), torch.tensor(images, device=dev))
+            draft, q = self.drafting.down(rows[0] if every else torch.tensor(rows, device=dev),
+                                          None if every else torch.tensor(images, device=dev))
         elif len(images) < st.B or max(rows) != min(rows):
             return  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
         else:
             draft, q = self.drafting.right(rows[0])
-        cols = torch.tensor([g.position(r, 0) for r in rows], device=dev)[:, None] + torch.arange(g.width, device=dev)
-        st.set_tokens(cols, draft, torch.tensor(images, device=dev))
+        if every:
+            start = g.position(rows[0], 0)
+            st.set_tokens(torch.arange(start, start + g.width, device=dev), draft)
+        else:
+            cols = torch.tensor([g.position(r, 0) for r in rows], device=dev)[:, None] + torch.arange(g.width, device=dev)
+            st.set_tokens(cols, draft, torch.tensor(images, device=dev))
         self.add(images, rows, q)
 
     def add(self, images: list[int], rows: list[int], q: torch.Tensor) -> None:
@@ -155,11 +168,12 @@ class CarryWindow:
             self.slots = self.slots + extra
             self.pos = torch.cat([self.pos, torch.tensor(extra, dtype=torch.long, device=self.pos.device)])
             self.prop = torch.cat([self.prop, self.prop.new_zeros(self.st.B, len(extra), g.num_visual)], 1)
-            self.fresh = torch.cat([self.fresh, self.fresh.new_zeros(self.st.B, len(extra))], 1)
+            for flags in self.fresh:
+                flags.extend([False] * len(extra))
         for i, (b, r) in enumerate(zip(images, rows)):
             at = bisect_left(self.slots, g.position(r, 0))  # a row's visual positions are consecutive window slots
             _span(self.prop, b, at, g.width).copy_(q[i])
-            _span(self.fresh, b, at, g.width).fill_(True)
+            self.fresh[b][at:at + g.width] = [True] * g.width
             self.drafted_upto[b] = g.position(r, g.width - 1) + 1
             self.next_row[b] = r + 1
             self.spent[b] = 0
@@ -200,7 +214,7 @@ class CarryWindow:
         for b, tail, q in proposals:  # a tail's new tokens are judged against its proposals next pass
             if tail:  # consecutive window slots
                 _span(self.prop, b, tail[0], len(tail)).copy_(q)
-                _span(self.fresh, b, tail[0], len(tail)).fill_(True)
+                self.fresh[b][tail[0]:tail[0] + len(tail)] = [True] * len(tail)
         for b, _, _ in acted:
             self.spent[b] += 1
             self.passes[b] += 1
@@ -208,7 +222,8 @@ class CarryWindow:
         drop = bisect_left(slots, min(self.final_upto))  # drop what every image has finalised
         if drop:
             self.slots = slots[drop:]
-            self.pos, self.prop, self.fresh = pos[drop:], self.prop[:, drop:], self.fresh[:, drop:]
+            self.pos, self.prop = pos[drop:], self.prop[:, drop:]
+            self.fresh = [flags[drop:] for flags in self.fresh]
 
     def _judge_image(self, b: int, own: range, cur: torch.Tensor, new: torch.Tensor | None, p: torch.Tensor,
                      proposals: list) -> tuple[int | None, torch.Tensor]:
@@ -218,20 +233,17 @@ class CarryWindow:
         the judged tokens (1, n)."""
         slots, lo, hi = self.slots, own.start, own.stop
         part = (lambda t: t) if new is None else (lambda t: t[b:b + 1, lo:hi])  # noqa: E731
-        fed, fresh = part(cur), part(self.fresh)
-        nb, acc = self.judgement(fed, part(p), part(self.prop), fresh, self.st.image_gens([b]))
+        fed, fresh = part(cur), self.fresh[b][lo:hi]
+        flags = torch.tensor([fresh], dtype=torch.bool, device=cur.device) if self.reads_fresh else None
+        nb, acc = self.judgement(fed, part(p), part(self.prop), flags, self.st.image_gens([b]))
         if new is not None:
             new[b, lo:hi] = nb[0]
-        changed = (nb != fed).view(-1)
-        first = next((i for i, c in enumerate(changed.tolist()) if c), None)  # the first change, found in Python
+        changed = nb != fed  # (1, n)
+        first = next((i for i, c in enumerate(changed.tolist()[0]) if c), None)  # the first change, found in Python
         where = first is not None
         first = hi - lo - 1 if first is None else first
-        if new is None:  # the whole window was judged: every flag is cleared at once
-            self.stats.record(b, fresh.view(-1), changed, first)
-            self.fresh = torch.zeros_like(self.fresh)
-        else:
-            self.stats.record(b, fresh[0].clone(), changed, first)
-            self.fresh[b, lo:hi] = False
+        self.stats.record(b, fresh, changed, first)
+        self.fresh[b][lo:hi] = [False] * (hi - lo)
         self.final_upto[b] = slots[lo + first] + 1  # final through the first change
         if where and self.tails:
             row = self.st.g.row_col(slots[lo + first])[0]
@@ -239,7 +251,8 @@ class CarryWindow:
             if tail is not None:
                 judged = nb[0] if new is None else new[b]
                 proposals.append((b, *tail.propose(self, b, own, first, cur[b], judged, p[b])))
-        self._record_first_judgement(b, lo, hi, acc)
+        if self.first_row[b] >= 0:
+            self._record_first_judgement(b, lo, hi, acc.tolist()[0])
         if self.spent[b] <= self.schedule.rounds:  # within the newest row's budget (later passes: carried tokens)
             self.rounds[b][self.next_row[b] - 1] += 1
         return (slots[lo + first] if where else None), nb
@@ -258,9 +271,9 @@ class CarryWindow:
                 if final[r] < 0:
                     final[r] = self.passes[b] + 1
 
-    def _record_first_judgement(self, b: int, lo: int, hi: int, accepted: torch.Tensor) -> None:
-        """Image b's freshly drafted row: the acceptance (1, hi - lo) of each of its tokens at its first judgement
-        (window slots [lo, hi))."""
+    def _record_first_judgement(self, b: int, lo: int, hi: int, accepted: list[bool]) -> None:
+        """Image b's freshly drafted row: the acceptance of each of its tokens (window slots [lo, hi)) at its first
+        judgement."""
         r, g = self.first_row[b], self.st.g
         if r < 0:
             return
@@ -269,7 +282,7 @@ class CarryWindow:
         j = bisect_left(self.slots, end, i, hi)
         if j > i:  # consecutive window slots hold consecutive columns of one row
             c = self.slots[i] - start
-            self.accept_map[b, r, c:c + j - i] = accepted[0, i - lo:j - lo]
+            self.accepted[b][r][c:c + j - i] = accepted[i - lo:j - lo]
             self.recorded[b] = self.slots[j - 1] + 1
         if self.slots[hi - 1] >= end - 1:  # its last token judged: the map is whole
             self.first_row[b] = -1
