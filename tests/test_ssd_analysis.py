@@ -334,3 +334,26 @@ def test_ssd_ops_cli_counts_ar_and_ssd_at_batch_1_and_a_stream(tmp_path, tiny_ex
     assert out["bs1"]["ar"]["ops_per_forward"] == out["bs2"]["ar"]["ops_per_forward"]  # a batch adds no op
     assert out["bs2"]["ssd"]["stream"] and not out["bs2"]["ssd_paper"]["stream"] and not out["bs1"]["ssd"]["stream"]
     assert "batch 2:" in capsys.readouterr().out
+
+
+def test_batch_costs_cli_times_ar_in_a_batch_and_ssd_as_a_stream(tmp_path, tiny_exports, capsys):
+    """analysis.batch_costs on the tiny world at batch 2: AR decodes one fixed batch (256 passes, one position a row a
+    pass but the end-of-row tokens), SSD a stream of two slots (rows: both slots' CFG rows); the row-positions computed
+    per image, the ratios and both ceilings follow from the measured parts by hand."""
+    from specgen.analysis import batch_costs
+
+    out = batch_costs.main([*_world(tiny_exports), "--out", str(tmp_path), "--strategy", "ssd"])
+    saved = json.loads((tmp_path / "batch_costs.json").read_text())
+    assert saved["batch"] == 2 and list(saved["strategies"]) == ["ar", "ssd"]
+    ar_, ssd_ = out["strategies"]["ar"], out["strategies"]["ssd"]
+    assert ar_["passes"] == 256 and ar_["rows"] == ssd_["rows"] == 4  # 2 images x (conditional, unconditional)
+    assert 1.0 <= ar_["positions_per_forward"] < 1.1 and ssd_["positions_per_forward"] > 2
+    assert ar_["row_positions_per_image"] == pytest.approx(255 * ar_["positions_per_forward"] * 4 / 2)
+    for r in (ar_, ssd_):
+        assert r["wall_s"] == pytest.approx(r["target_s"] + r["draft_s"] + r["other_s"])
+        assert r["ceiling_forwards"] == pytest.approx(ar_["wall_s"] / r["target_s"])
+        assert r["compute_ratio"] == pytest.approx(r["row_positions_per_image"] / ar_["row_positions_per_image"])
+    assert ssd_["draft_s"] > 0 == ar_["draft_s"] and ssd_["passes"] < 128
+    assert ssd_["ceiling_ar_cost"] == pytest.approx(ar_["target_s"] / (ssd_["row_positions_per_image"]
+                                                                     * ar_["step_s"] / ar_["rows"]))
+    assert "ceiling fwd" in capsys.readouterr().out
