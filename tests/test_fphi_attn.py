@@ -118,3 +118,20 @@ def test_drafter_report_counts_the_row_attention_per_down_draft():
     assert draft_flops(d, "down", 8) == draft_flops(plain, "down") + 2 * per_block
     assert draft_flops(d, "down", 8) == matmul_flops(d.nets["down"]) + matmul_flops(d.left_block) + 2 * per_block
     assert draft_flops(d, "right", 8) == draft_flops(plain, "right")
+
+
+def test_distillation_trains_the_zero_started_block_on_the_down_direction(tiny_exports, teacher):
+    from specgen.modules.distill_module import DistillModule
+
+    torch.manual_seed(0)
+    net = FPhi(64, "xs", context_kernel=3, left_context=True, down_attention=1)
+    for name, p in net.named_parameters():  # a trained drafter grown by the block: its output map still at zero
+        if not name.startswith("down_attn."):
+            torch.nn.init.normal_(p, std=0.05)
+    m = DistillModule(net, str(tiny_exports / "ar"), str(tiny_exports / "vq"), directions=["down"])
+    m.trainer = type("T", (), {"estimated_stepping_batches": 10, "max_steps": 10})()
+    trained = {id(p) for group in m.configure_optimizers()["optimizer"].param_groups for p in group["params"]}
+    assert all(id(p) in trained for p in net.down_attn.parameters())
+    out = m.losses(next(iter(teacher.train_dataloader())))
+    out["loss"].backward()
+    assert net.down_attn[0].out.weight.grad.abs().sum() > 0  # the first step moves it off zero
