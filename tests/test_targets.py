@@ -3,12 +3,14 @@ import pytest
 
 from specgen.evaluation.targets import check_targets, format_targets, targets_report, validate_targets
 
-SPEC = dict(strategy="ssd", pass_ratio_bs1=[8.0, 6.0], wall_ratio_bs1=[3.5, 3.0], batch_share=[16, 0.85],
+SPEC = dict(strategy="ssd", pass_ratio_bs1=[8.0, 6.0], wall_ratio_bs1=[3.5, 3.0], wall_ratio_bs16=[1.3, 1.0],
+            batch_share=[16, 0.85],
             geneval_max_ci95=0.03, peers=["sjd", "zipar"])
 
 
 def metrics(**over):
     m = {"ssd/speed/nfe_ratio_bs1": 6.5, "ssd/speed/nfe_ratio_ci95_bs1": 0.3, "ssd/speed/wall_ratio_bs1": 3.6,
+         "ssd/speed/wall_ratio_bs16": 1.1,
          "ssd/speed/nfe_ratio_bs16": 5.0, "ssd/speed/nfe_bs1": 40.0, "sjd/speed/nfe_bs1": 80.0,
          "zipar/speed/nfe_bs1": 30.0, "ssd/geneval/overall_diff": -0.01, "ssd/geneval/overall_diff_ci95": 0.03,
          "ssd/geneval/overall_ci95": 0.024, "ar/geneval/overall_ci95": 0.025, "zipar/geneval/overall_diff": -0.2}
@@ -29,6 +31,7 @@ def test_each_target_is_met_at_its_floor_or_missed_by_hand():
     v = verdicts(metrics())
     assert v["pass_ratio_bs1"] == (6.5, "floor")  # past the floor 6, short of the goal 8
     assert v["wall_ratio_bs1"] == (3.6, "met")
+    assert v["wall_ratio_bs16"] == (1.1, "floor")  # past the floor 1, short of 1.3
     assert v["batch_share"][0] == pytest.approx(5.0 / 6.5) and v["batch_share"][1] == "missed"  # 0.77 < 0.85
     assert v["geneval"][0] == pytest.approx(0.02) and v["geneval"][1] == "met"  # -0.01 + 0.03 >= 0, both tight
     assert v["peers:sjd"] == (2.0, "met") and v["peers:zipar"] == (0.75, "missed")  # zipar took fewer passes
@@ -45,12 +48,14 @@ def test_geneval_is_missed_when_significantly_below_or_measured_too_loosely():
 
 def test_what_the_run_did_not_measure_says_so():
     v = verdicts(metrics(**{"ssd/geneval/overall_diff": None, "ssd/speed/nfe_ratio_bs16": None,
+                            "ssd/speed/wall_ratio_bs16": None,
                             "sjd/speed/nfe_bs1": None}))
     assert v["geneval"] == (None, "not measured") and v["batch_share"] == (None, "not measured")
+    assert v["wall_ratio_bs16"] == (None, "not measured")
     assert v["peers:sjd"] == (None, "not measured")
     text = format_targets(check_targets(metrics(), SPEC, "ar"), "ssd")
     assert text.startswith("targets of ssd:") and "floor 6.00" in text and "missed" in text
-    assert len(text.splitlines()) == 1 + 4 + 2  # a line per target, one per peer
+    assert len(text.splitlines()) == 1 + 5 + 2  # a line per target, one per peer
 
 
 @pytest.mark.parametrize("spec, match", [(dict(SPEC, speedup=2), "unknown keys \\['speedup'\\]"),

@@ -11,6 +11,7 @@ The checks read the run's metrics only, so they say what this run measured, on t
       strategy: ssd                       # the strategy the targets are for
       pass_ratio_bs1: [8.0, 6.0]          # goal, floor: times fewer target passes than the reference at batch 1
       wall_ratio_bs1: [3.5, 3.0]          # goal, floor: times the reference's wall clock at batch 1
+      wall_ratio_bs16: [1.3, 1.0]         # the same at batch 16 (a run that times batch 16)
       batch_share: [16, 0.85]             # batch size, least share of the batch-1 pass ratio kept there
       ops_ratio_bs1: 1.5                  # at most this many times the reference's aten ops per pass, batch 1
                                           # (a run with speed.count_ops)
@@ -45,8 +46,8 @@ def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
     """Refuse a malformed `targets:` node before a run spends its time: unknown keys, a target strategy the run does
     not decode (`strategies`), a [goal, floor] that is not two numbers or has its floor above its goal, a batch share
     that is not [batch size, share in (0, 1]]. Peers the run leaves out are allowed: they read `not measured`."""
-    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "batch_share", "ops_ratio_bs1", "geneval_max_ci95",
-             "peers", "also"}
+    known = {"strategy", "pass_ratio_bs1", "wall_ratio_bs1", "wall_ratio_bs16", "batch_share", "ops_ratio_bs1",
+             "geneval_max_ci95", "peers", "also"}
     unknown = sorted(set(spec) - known)
     if unknown:
         raise ValueError(f"targets: unknown keys {unknown}: expected some of {sorted(known)}")
@@ -56,7 +57,7 @@ def validate_targets(spec: Mapping, strategies: Sequence[str]) -> None:
     also = spec.get("also") or []
     if not (isinstance(also, Sequence) and not isinstance(also, str) and all(isinstance(a, str) for a in also)):
         raise ValueError(f"targets.also={also!r}: give a list of strategy names, e.g. [ssd_latent]")
-    for key in ("pass_ratio_bs1", "wall_ratio_bs1"):
+    for key in ("pass_ratio_bs1", "wall_ratio_bs1", "wall_ratio_bs16"):
         if key in spec:
             _pair(spec, key)
     if "ops_ratio_bs1" in spec and not (isinstance(spec["ops_ratio_bs1"], (int, float)) and spec["ops_ratio_bs1"] > 0):
@@ -78,12 +79,15 @@ def check_targets(metrics: Mapping[str, float], spec: Mapping, reference: str) -
     get = lambda key: metrics.get(f"{s}/{key}")  # noqa: E731
     rows = []
     for key, metric, what in (("pass_ratio_bs1", "speed/nfe_ratio_bs1", "target passes"),
-                              ("wall_ratio_bs1", "speed/wall_ratio_bs1", "wall clock")):
+                              ("wall_ratio_bs1", "speed/wall_ratio_bs1", "wall clock"),
+                              ("wall_ratio_bs16", "speed/wall_ratio_bs16", "wall clock")):
         if key in spec:
             goal, floor = _pair(spec, key)
             value = get(metric)
             ci = get(metric.replace("_ratio", "_ratio_ci95")) if "nfe" in metric else None
-            rows.append(dict(target=f"{key}: {reference}'s {what} over {s}'s, batch 1", value=value, goal=goal, floor=floor,
+            batch = key.rsplit("_bs", 1)[1]
+            rows.append(dict(target=f"{key}: {reference}'s {what} over {s}'s, batch {batch}", value=value, goal=goal,
+                             floor=floor,
                              verdict=_verdict(value, goal, floor),
                              detail="" if ci is None else f"+-{ci:.2f} (95%)"))
     if "batch_share" in spec:
