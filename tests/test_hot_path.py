@@ -108,3 +108,6 @@ def test_the_heads_visual_rows_follow_the_weight():
     with torch.no_grad():
         m.model.lm_head.weight.mul_(2)  # an in-place update (an optimiser step, a load): the view is taken again
     assert torch.allclose(m.visual_logits(h), 2 * before, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():  # weights made under inference mode (no version counter): read, not cached
+        made = tiny(eol=False)
+        assert torch.equal(made.visual_logits(h), made.visual_logits(h))

@@ -172,6 +172,8 @@ class ShapesLlama(nn.Module):
         """The head's rows of the visual codes, a view kept while the weight is the same tensor at the same version
         (drafting reads it once per drafted column: a slice each time is an op to dispatch)."""
         g, w = self.grid, self.model.lm_head.weight
+        if w.is_inference():  # weights made under inference mode keep no version counter: a fresh view each time
+            return w[g.visual_start: g.visual_start + g.num_visual]
         key = (w.data_ptr(), w._version, w.dtype, w.device, torch.is_inference_mode_enabled(),
                torch.is_grad_enabled())
         cached = self.__dict__.get("_visual_rows_view")
