@@ -71,7 +71,9 @@ def oracle_drafting(rows: str, temperature: float | None = None) -> type:
         raise ValueError(f"oracle rows={rows!r}: use 'down' (rows below the first) or 'all'")
 
     class OracleDrafting(Drafting):
-        def down(self, rows_: torch.Tensor, images: torch.Tensor | None = None):
+        def down(self, rows_: torch.Tensor | int, images: torch.Tensor | None = None):
+            if isinstance(rows_, int):  # row rows_ of every image
+                rows_ = torch.full((self.st.B,), rows_, device=self.st.seq.device)
             images = torch.arange(self.st.B, device=rows_.device) if images is None else images
             if len(set(rows_.tolist())) != 1:
                 raise ValueError(f"the oracle drafts one row at a time; got rows {rows_.tolist()} (decode at batch 1)")
