@@ -374,7 +374,7 @@ def test_pass_statistics_counted_at_once_equal_counting_pass_by_pass():
         b, n = int(torch.randint(B, ())), int(torch.randint(1, 3 * W, ()))  # windows longer than 2W share a bin
         fresh, changed = torch.rand(n) < 0.5, torch.rand(n) < 0.3
         first = int(changed.float().argmax()) if changed.any() else n - 1
-        new.record(b, fresh, changed, first)
+        new.record(b, fresh.tolist(), changed[None], first)  # as the window records: flags listed, (1, n) changes
         reference(ref, b, fresh, changed, first)
         if step % 25 == 0:  # read in between: the counts so far, and later passes still follow the last one
             new.summary(torch.full((B,), step + 1))

@@ -19,19 +19,19 @@ class PassStats:
         # pass's first change), fresh [0] and carried [1]; distances from 2W on share the last bin
         self.by_distance = torch.zeros(B, 2, 2, 2 * width, device=device)  # (B, fresh/carried, judged/changed, d)
         self.last_changed = torch.zeros(B, dtype=torch.bool, device=device)  # the image's last pass changed a token
-        self.log: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}  # passes recorded, not counted yet
+        self.log: dict[int, list[tuple[list[bool], torch.Tensor, int]]] = {}  # passes recorded, not counted yet
 
     def record(self, b: int, fresh: list[bool], changed: torch.Tensor, first: int) -> None:
-        """Add image b's pass: which of its judged tokens (in window order) were fresh and which changed, and the
-        index of the last token the pass finalised (its first change, or its last token). Kept as it is and counted
-        when the statistics are read (`flush`): counting per pass cost about 70 small ops a pass, 5% of a decode's."""
+        """Add image b's pass: which of its judged tokens (in window order) were fresh (a list) and which changed
+        ((1, n)), and the index of the last token the pass finalised (its first change, or its last token). Kept as
+        it is and counted when the statistics are read (`flush`): counting per pass cost about 70 small ops a pass."""
         self.log.setdefault(b, []).append((fresh, changed, first))
 
     def flush(self) -> None:
         """Count the recorded passes, each image's in one go (the same counts as pass by pass, in pass order)."""
         c, W2 = self.counts, self.by_distance.shape[-1]
         for b, passes in self.log.items():
-            changed = torch.cat([ch for _, ch, _ in passes], -1).view(-1)  # (1, n) or (n,) a pass
+            changed = torch.cat([ch for _, ch, _ in passes], 1).view(-1)  # (1, n) a pass
             fresh = torch.tensor([x for f, _, _ in passes for x in f], dtype=torch.bool, device=changed.device)
             lens = torch.tensor([len(f) for f, _, _ in passes], device=fresh.device)
             starts = lens.cumsum(0) - lens  # each pass's first token in the flat order

@@ -204,8 +204,7 @@ class CarryWindow:
             new = judged if whole else new
             if change is not None:
                 moved = change if moved is None else min(moved, change)
-        if new is not None:
-            st.write_tokens(pos, new, moved)
+        st.write_tokens(pos, new, moved)  # `new`: the whole window's judged tokens (batch 1) or every image's
         if whole:  # p is every proposal
             self.prop = p if p.dtype == self.prop.dtype else p.to(self.prop.dtype)
         else:
@@ -274,9 +273,7 @@ class CarryWindow:
     def _record_first_judgement(self, b: int, lo: int, hi: int, accepted: list[bool]) -> None:
         """Image b's freshly drafted row: the acceptance of each of its tokens (window slots [lo, hi)) at its first
         judgement."""
-        r, g = self.first_row[b], self.st.g
-        if r < 0:
-            return
+        r, g = self.first_row[b], self.st.g  # the caller checks that a row awaits its first judgement (r >= 0)
         start, end = g.position(r, 0), g.position(r, g.width - 1) + 1
         i = bisect_left(self.slots, max(start, self.recorded[b]), lo, hi)  # the row's tokens not recorded yet
         j = bisect_left(self.slots, end, i, hi)
