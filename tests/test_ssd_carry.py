@@ -405,3 +405,24 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     out, _ = ssd_carry.generate(m, prompts, noisy_drafter(m, left=True), cfg_scale=2.0, rngs=make_rngs(range(n)),
                                 **default_carry())
     assert gof_pvalue(out, joint) > 1e-3
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_a_stream_drafts_the_rows_due_between_passes_together_with_every_image_unchanged(left):
+    """batch_drafts (the default): the down rows a stream's images draft between two passes go through one drafter
+    call, not one per image. Every image keeps its tokens, passes and first-judgement acceptance (greedy and sampled,
+    the default's tails included: Reweight reads the rows kept per image), and the drafter is called fewer times.
+    Greedy output stays AR's."""
+    m = tiny(True, grid=6)
+    p = m.prompts(MORE)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    out, _ = decode(m, p, noisy_drafter(m, left), temperature=0, slots=4)
+    assert torch.equal(out, ref)
+    kw = default_carry(slots=4)
+    together = decode(m, p, noisy_drafter(m, left), range(6), **kw)
+    alone = decode(m, p, noisy_drafter(m, left), range(6), batch_drafts=False, **kw)
+    assert torch.equal(together[0], alone[0])
+    for key in ("image_passes", "accept_map", "tokens_fed"):
+        assert torch.equal(together[1][key], alone[1][key]), key
+    assert together[1]["nfe"] == alone[1]["nfe"]
+    assert together[1]["draft_calls"] < alone[1]["draft_calls"]

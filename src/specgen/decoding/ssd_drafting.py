@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from specgen.decoding.sampling import sample_probs, uniform
+from specgen.decoding.sampling import inverse_cdf, sample_probs, uniform
 from specgen.decoding.ssd_columns import draft_columns
 from specgen.decoding.state import SpecState
 from specgen.drafters.protocol import Drafter
@@ -121,3 +121,58 @@ class Drafting:
         if self.down_rows:
             for key in [key for key in self.down_rows if key[1] < final_below[key[0]]]:
                 del self.down_rows[key]
+
+
+class _Drafted:
+    """What `draft_columns` reads of a state, for the rows of several batch-1 states drafted together: the CFG
+    streams, the guided warped distribution (the states share backbone and sampling settings) and a call count."""
+
+    def __init__(self, st: SpecState):
+        self.reps, self.dist, self.draft_calls = st.reps, st.dist, 0
+
+
+def down_together(draftings: list[Drafting], rows: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row rows[i] of the one image of draftings[i] (batch-1 generations sharing a backbone and a drafter: a
+    stream's images), drafted in one drafter call (a left-context drafter: one trunk call and one fixed-point
+    iteration over all rows) instead of one call per image. Each image draws from its own random stream as
+    `Drafting.down` does, so its draft and proposals are the ones drafting it alone gives (up to the rounding of
+    products over more rows at once). Returns (codes (1, W), q (1, W, V)) per image; the drafter calls are counted
+    on the first image's state."""
+    if len(draftings) == 1:
+        return [draftings[0].down(rows[0])]
+    lead = draftings[0]
+    st0, drafter = lead.st, lead.drafter
+    S, W, dev = len(draftings), st0.g.width, st0.seq.device
+    hidden, tokens, before, guess, draws = [], [], [], [], []
+    k = drafter.left_tokens if drafter.left_context else 0
+    for d, r in zip(draftings, rows):
+        st, g = d.st, d.st.g
+        start = g.position(r - 1, 0)  # the row above's first slot
+        above = torch.arange(start, start + W, device=dev)
+        hidden.append(st.hid.read(slice(None), above - 1, start - 1, start + W - 2))  # (reps, W, D)
+        tokens.append(st.seq[:, start:start + W])  # (reps, W)
+        if k:
+            first = start + g.stride
+            before.append(st.seq[:1, first - k:first])
+            guess.append(st.seq[:1, start:start + W])
+        draws.append(uniform((1, W) if k else (1, W, 1), st.image_gens([0]), dev))
+    # [conditional rows of every image; unconditional rows]: the layout of a batched state's CFG streams
+    hidden = torch.stack(hidden, 1).flatten(0, 1)  # (reps * S, W, D)
+    embeds = st0.embed(torch.stack(tokens, 1).flatten(0, 1))
+    u = torch.cat(draws)
+    counted = _Drafted(st0)
+    with st0.trace.region("draft", what="down", tokens=S * W):
+        if k:
+            trunk = drafter.down_trunk(hidden, embeds)  # (reps * S, W, width)
+            for i, (d, r) in enumerate(zip(draftings, rows)):
+                if d.down_rows is not None:
+                    d.down_rows[0, r] = (trunk[i::S], hidden[i::S])
+            codes, q = draft_columns(counted, drafter, trunk, hidden, torch.cat(before), lead.left_table(), u,
+                                     lead.temperature, torch.cat(guess))
+        else:
+            h = drafter.down(hidden, embeds)
+            counted.draft_calls += 1
+            q = st0.dist_logits(h, lead.temperature) if lead.tokens_out else st0.dist(h, lead.temperature)
+            codes = inverse_cdf(q, u)
+    st0.draft_calls += counted.draft_calls
+    return [(codes[i:i + 1], q[i:i + 1]) for i in range(S)]

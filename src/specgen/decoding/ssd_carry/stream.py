@@ -19,6 +19,7 @@ import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
 from specgen.decoding.ssd_carry.window import CarryWindow
+from specgen.decoding.ssd_drafting import down_together
 from specgen.decoding.state import SpecState
 from specgen.decoding.trace import Trace, or_silent
 from specgen.utils.validate import expect_int
@@ -42,14 +43,23 @@ class _Image:
         self.vertical = vertical
         self.flush = 0
 
-    def next_pass(self) -> int | None:
-        """Draft the rows that are due and return the slot the image's next pass feeds up to, or None when the image
-        is done. A window needing no new states (nothing changed since the last pass) is judged at once."""
+    def next_pass(self, together: bool = False):
+        """A generator: draft the rows that are due and return the slot the image's next pass feeds up to, or None
+        when the image is done. A window needing no new states (nothing changed since the last pass) is judged at
+        once. together: a down row is not drafted here but yielded (its row number) for the stream to draft with
+        other images' rows (`ssd_drafting.down_together`), which sends back its (draft, q)."""
         st, win = self.st, self.win
         if st.cached < st.g.prefix_len:
             return st.g.prefix_len  # the prefill
         while True:
-            win.draft_due(self.vertical)
+            due = win.due(self.vertical)
+            if due is not None:
+                images, rows = due
+                if together and self.vertical and rows[0] > 0:
+                    draft, q = yield rows[0]
+                else:
+                    draft, q = win.draft(images, rows, self.vertical)
+                win.place(images, rows, draft, q)
             if not any(win.live()):
                 if not win.unfinished():
                     return None
@@ -83,7 +93,7 @@ def _assemble(feeding: list[int], inputs: list, S: int, reps: int, q: int):
 
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callable[[SpecState], CarryWindow],
                     slots: int, cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True,
-                    trace: Trace | None = None):
+                    trace: Trace | None = None, batch_drafts: bool = True):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). `window`
     makes each image's carry window from its state (a stream image has no batch to run ahead of: max_lead is not
     read)."""
@@ -108,18 +118,45 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
     ends: list[int | None] = [None] * S
     done: dict[int, _Image] = {}
     nfe = 0
+
+    def admit(s: int):
+        """Slot s's next prompt, as the generator of its first pass (None: the queue is empty)."""
+        i = next(queue, None)
+        if i is None:
+            return None
+        running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], window, vertical,
+                            sampling)
+        return running[s].next_pass(batch_drafts)
+
     while True:
-        for s in range(S):  # every slot: its image's next pass, or the next prompt's prefill
-            while ends[s] is None:
-                if running[s] is not None:
+        # every slot without a pass to feed: its image's next pass (a finished image hands its slot to the next
+        # prompt, whose next pass is its prefill); the down rows due meanwhile are drafted together
+        plans = {}
+        for s in range(S):
+            if ends[s] is None:
+                plan = running[s].next_pass(batch_drafts) if running[s] is not None else admit(s)
+                if plan is not None:
+                    plans[s] = plan
+        replies = dict.fromkeys(plans)
+        while plans:
+            asks = []
+            for s in list(plans):
+                try:
+                    asks.append((s, plans[s].send(replies[s])))
+                except StopIteration as stop:
+                    del plans[s]
+                    if stop.value is not None:
+                        ends[s] = stop.value
+                        continue
                     done[running[s].index] = running[s]
                     running[s] = None
-                i = next(queue, None)
-                if i is None:
-                    break
-                running[s] = _Image(i, backbone, prompts[i:i + 1], None if rngs is None else rngs[i], window,
-                                    vertical, sampling)
-                ends[s] = running[s].next_pass()
+                    plan = admit(s)
+                    if plan is not None:
+                        plans[s] = plan
+            replies = dict.fromkeys(plans)
+            if asks:
+                drafted = down_together([running[s].win.drafting for s, _ in asks], [row for _, row in asks])
+                replies.update({s: d for (s, _), d in zip(asks, drafted)})
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:
             break
@@ -135,7 +172,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
             img = running[s]
             img.st.pass_done(start, hidden[s::S, :pos.numel()])
             img.after_pass()
-            ends[s] = img.next_pass()
+            ends[s] = None  # planned at the top of the loop
     return _collect([done[i] for i in range(N)], nfe, S)
 
 

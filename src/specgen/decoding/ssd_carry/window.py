@@ -136,21 +136,36 @@ class CarryWindow:
 
     def draft_due(self, vertical: bool) -> None:
         """Release the states no draft or pass reads any more, and draft the rows that are due (`ready`)."""
-        st, g, dev = self.st, self.st.g, self.st.seq.device
-        st.hid.release(self.floor())
+        due = self.due(vertical)
+        if due is not None:
+            self.place(*due, *self.draft(*due, vertical))
+
+    def due(self, vertical: bool) -> tuple[list[int], list[int]] | None:
+        """Release the states no draft or pass reads any more; the images that draft a row now and their rows, or
+        None (no image is due, or horizontal rows waiting for the batch)."""
+        self.st.hid.release(self.floor())
         images = self.ready()
         if not images:
-            return
+            return None
         rows = [self.next_row[b] for b in images]
+        if not (vertical and min(rows) > 0) and (len(images) < self.st.B or max(rows) != min(rows)):
+            return None  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
+        return images, rows
+
+    def draft(self, images: list[int], rows: list[int], vertical: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts (S, W) and proposals (S, W, V) of the rows `due` gave: down from the row above, or (row 0,
+        horizontal-only) chained right."""
+        st, dev = self.st, self.st.seq.device
         every = len(images) == st.B and min(rows) == max(rows)  # one row of every image: no index tensors
         if vertical and min(rows) > 0:
-            draft, q = self.drafting.down(rows[0] if every else torch.tensor(rows, device=dev),
-                                          None if every else torch.tensor(images, device=dev))
-        elif len(images) < st.B or max(rows) != min(rows):
-            return  # horizontal rows are drafted for the whole batch at once (one chain of right steps)
-        else:
-            draft, q = self.drafting.right(rows[0])
-        if every:
+            return self.drafting.down(rows[0] if every else torch.tensor(rows, device=dev),
+                                      None if every else torch.tensor(images, device=dev))
+        return self.drafting.right(rows[0])
+
+    def place(self, images: list[int], rows: list[int], draft: torch.Tensor, q: torch.Tensor) -> None:
+        """Write drafted rows in the images' sequences and windows."""
+        st, g, dev = self.st, self.st.g, self.st.seq.device
+        if len(images) == st.B and min(rows) == max(rows):
             start = g.position(rows[0], 0)
             st.set_tokens(torch.arange(start, start + g.width, device=dev), draft)
         else:
