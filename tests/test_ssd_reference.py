@@ -1,4 +1,4 @@
-"""The SSD decoders against pinned outputs: 30 settings of `ssd.generate` (the paper's SSD) and `ssd_carry.generate`
+"""The SSD decoders against pinned outputs: 31 settings of `ssd.generate` (the paper's SSD) and `ssd_carry.generate`
 (the default and its variants) on the shipped backbone and drafters, three prompts, per-image seeds. Every code and
 every statistic must equal tests/fixtures/ssd_reference.pt (written by tests/fixtures/make_ssd_reference.py), so a
 change to the decoders that moves a single draw shows here. A subset runs by default, every setting in the slow run."""
@@ -16,8 +16,8 @@ finally:
     sys.path.remove(str(FIXTURES))
 
 SETTINGS = settings()
-FAST = ("default_b1", "default_batch", "default_stream", "no_tail", "carry_pointwise", "typical", "latent_carried",
-        "paper_batch", "paper_pointwise", "exact_batch")
+FAST = ("default_b1", "default_batch", "default_stream", "default_stream_per_image", "no_tail", "carry_pointwise",
+        "typical", "latent_carried", "paper_batch", "paper_pointwise", "exact_batch")
 
 
 @pytest.fixture(scope="module")
