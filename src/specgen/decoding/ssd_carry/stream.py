@@ -129,34 +129,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
         return running[s].next_pass(batch_drafts)
 
     while True:
-        # every slot without a pass to feed: its image's next pass (a finished image hands its slot to the next
-        # prompt, whose next pass is its prefill); the down rows due meanwhile are drafted together
-        plans = {}
-        for s in range(S):
-            if ends[s] is None:
-                plan = running[s].next_pass(batch_drafts) if running[s] is not None else admit(s)
-                if plan is not None:
-                    plans[s] = plan
-        replies = dict.fromkeys(plans)
-        while plans:
-            asks = []
-            for s in list(plans):
-                try:
-                    asks.append((s, plans[s].send(replies[s])))
-                except StopIteration as stop:
-                    del plans[s]
-                    if stop.value is not None:
-                        ends[s] = stop.value
-                        continue
-                    done[running[s].index] = running[s]
-                    running[s] = None
-                    plan = admit(s)
-                    if plan is not None:
-                        plans[s] = plan
-            replies = dict.fromkeys(plans)
-            if asks:
-                drafted = down_together([running[s].win.drafting for s, _ in asks], [row for _, row in asks])
-                replies.update({s: d for (s, _), d in zip(asks, drafted)})
+        _plan(running, ends, done, admit, batch_drafts)
         feeding = [s for s in range(S) if ends[s] is not None]
         if not feeding:
             break
@@ -174,6 +147,38 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
             img.after_pass()
             ends[s] = None  # planned at the top of the loop
     return _collect([done[i] for i in range(N)], nfe, S)
+
+
+def _plan(running: list, ends: list, done: dict, admit: Callable, together: bool) -> None:
+    """Every slot without a pass to feed (ends[s] None): its image's next pass, written in `ends` (a finished image
+    goes to `done` and hands its slot to the next prompt, `admit`, whose next pass is its prefill). The down rows due
+    meanwhile are drafted together (`ssd_drafting.down_together`) where `together`."""
+    plans = {}
+    for s, end in enumerate(ends):
+        if end is None:
+            plan = running[s].next_pass(together) if running[s] is not None else admit(s)
+            if plan is not None:
+                plans[s] = plan
+    replies = dict.fromkeys(plans)
+    while plans:
+        asks = []
+        for s in list(plans):
+            try:
+                asks.append((s, plans[s].send(replies[s])))
+            except StopIteration as stop:
+                del plans[s]
+                if stop.value is not None:
+                    ends[s] = stop.value
+                    continue
+                done[running[s].index] = running[s]
+                running[s] = None
+                plan = admit(s)
+                if plan is not None:
+                    plans[s] = plan
+        replies = dict.fromkeys(plans)
+        if asks:
+            drafted = down_together([running[s].win.drafting for s, _ in asks], [row for _, row in asks])
+            replies.update({s: d for (s, _), d in zip(asks, drafted)})
 
 
 def _collect(images: list[_Image], nfe: int, slots: int):
