@@ -426,3 +426,52 @@ def test_a_stream_drafts_the_rows_due_between_passes_together_with_every_image_u
         assert torch.equal(together[1][key], alone[1][key]), key
     assert together[1]["nfe"] == alone[1]["nfe"]
     assert together[1]["draft_calls"] < alone[1]["draft_calls"]
+
+
+@pytest.mark.parametrize("acceptance", [None, Typical()])
+def test_a_stream_judges_its_windows_together_with_every_image_unchanged(acceptance, monkeypatch):
+    """batch_judge (the default): after a shared pass, the stream's windows are judged in one call
+    (`Speculative.together`; a rule without one, e.g. Typical, is judged window by window). Every image keeps its
+    tokens, passes, acceptance and where its passes went, sampled with the default's tails (their draws follow the
+    judgement's in each image's own stream)."""
+    from specgen.decoding.ssd_carry.acceptance import Speculative
+
+    calls = []
+    together = Speculative.together
+    monkeypatch.setattr(Speculative, "together", staticmethod(lambda items: calls.append(len(items)) or together(items)))
+    m = tiny(True, grid=6)
+    p = m.prompts(MORE)
+    kw = default_carry(slots=4, **({} if acceptance is None else {"acceptance": acceptance}))
+    one = decode(m, p, noisy_drafter(m, True), range(6), **kw)
+    many = decode(m, p, noisy_drafter(m, True), range(6), batch_judge=False, **kw)
+    assert torch.equal(one[0], many[0])
+    for key in ("image_passes", "accept_map", "tokens_fed", "fresh_change_rate", "carried_change_rate"):
+        assert torch.equal(one[1][key], many[1][key]), key
+    assert one[1]["nfe"] == many[1]["nfe"]
+    if acceptance is None:
+        assert max(calls) > 1  # several windows judged in one call
+    else:
+        assert not calls
+
+
+def test_speculative_together_equals_each_window_judged_alone():
+    """The judgements of windows of different lengths, each with its own generator, in one call equal each judged
+    alone, draw for draw, and leave every generator where judging alone leaves it."""
+    from specgen.decoding.ssd_carry.acceptance import Speculative
+
+    torch.manual_seed(0)
+    V, sizes = 7, [3, 1, 5]
+    items = []
+    for n in sizes:
+        p, q = torch.rand(1, n, V).softmax(-1), torch.rand(1, n, V).softmax(-1)
+        items.append((torch.randint(V, (1, n)), p, q, None))
+    judge = Speculative().bind(None)
+    alone_gens, together_gens = make_rngs(range(3)), make_rngs(range(3))
+    alone = [judge(*item, [g]) for item, g in zip(items, alone_gens)]
+    got = Speculative.together([(*item, [g]) for item, g in zip(items, together_gens)])
+    for (t1, a1), (t2, a2) in zip(alone, got):
+        assert torch.equal(t1, t2) and torch.equal(a1, a2)
+    assert all(torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+               for a, b in zip(alone_gens, together_gens))
+    assert not all(bool(a.all()) for _, a in alone)  # some token was redrawn: the residual draws were compared
+    assert Speculative.together([(*items[0], None)]) is None  # the global stream: not judged together

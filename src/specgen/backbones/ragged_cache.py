@@ -40,9 +40,8 @@ class RaggedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o = self.owner
         R, T1, h, d = self.buf_k.shape
-        flat = (o.rows[:, None] * T1 + o.write_at).flatten()  # (R' q,) rows x slots in the flat buffer
         for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
-            buf.view(R * T1, h, d).index_copy_(0, flat, new.transpose(1, 2).reshape(-1, h, d).to(buf.dtype))
+            buf.view(R * T1, h, d).index_copy_(0, o.flat, new.transpose(1, 2).reshape(-1, h, d).to(buf.dtype))
         keys, values = self.buf_k[:, :o.visible], self.buf_v[:, :o.visible]
         if not o.all_rows:
             keys, values = keys[o.rows], values[o.rows]
@@ -68,6 +67,7 @@ class RaggedCache(Cache):
         super().__init__(layers=layers)
         self.rows = torch.arange(rows, device=device)
         self.write_at = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.flat = self.write_at.flatten()
         self.all_rows = True
         self.visible = 1  # keys a forward attends over: slots [0, visible), the highest fed slot's and below
 
@@ -83,12 +83,14 @@ class RaggedCache(Cache):
         """The next forward feeds cache rows `rows` (R,) at `slots` (R, q); -1 marks padding."""
         if rows.ndim != 1 or slots.ndim != 2 or slots.shape[0] != rows.numel():
             raise ValueError(f"feed takes rows (R,) and slots (R, q), got {tuple(rows.shape)} and {tuple(slots.shape)}")
-        if slots.numel() and int(slots.max()) >= self.length:
-            raise ValueError(f"slot {int(slots.max())} is past the cache's {self.length} slots")
+        top = int(slots.max()) if slots.numel() else -1  # the highest slot fed
+        if top >= self.length:
+            raise ValueError(f"slot {top} is past the cache's {self.length} slots")
         self.rows = rows
         self.all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows, device=rows.device)).all())
         self.write_at = torch.where(slots < 0, self.length, slots)
-        self.visible = int(slots.max()) + 1 if slots.numel() and int(slots.max()) >= 0 else 1
+        self.flat = (rows[:, None] * (self.length + 1) + self.write_at).flatten()  # (R q,): rows x slots, every layer's
+        self.visible = top + 1 if top >= 0 else 1
 
     def mask(self, slots: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Additive attention mask (R, 1, q, visible) for the tokens at `slots` (R, q) of the last `feed`: a token

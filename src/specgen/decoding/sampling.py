@@ -86,17 +86,30 @@ def accept_or_resample(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     return _keep_or_residual(tokens, p.gather(-1, at).squeeze(-1), p, q, rngs, at)
 
 
+def accept_or_resample_drawn(tokens: torch.Tensor, p: torch.Tensor, q: torch.Tensor, u_keep: torch.Tensor,
+                             u_redraw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept_or_resample` with its draws given: u_keep (B, N) for the tests, u_redraw (B, N, 1) for the residual
+    draws, as `accept_or_resample` draws them from a row's generator (first the N tests, then the N redraws). So
+    tokens of several images, each with its own generator, are judged in one call with each image's own draws."""
+    at = tokens.unsqueeze(-1)
+    return _keep_or_residual(tokens, p.gather(-1, at).squeeze(-1), p, q, None, at, (u_keep, u_redraw))
+
+
 def _keep_or_residual(tokens: torch.Tensor, pt: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                      rngs: list[torch.Generator] | None,
-                      at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rngs: list[torch.Generator] | None, at: torch.Tensor | None = None,
+                      draws: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep each token with prob min(1, pt/q(t)) (pt: the target's mass for it), else redraw from norm(max(0, p - q));
-    `at`: the tokens as (..., 1) gather indices, where the caller has them."""
+    `at`: the tokens as (..., 1) gather indices, where the caller has them; `draws`: the tests' and the redraws'
+    uniforms given (`accept_or_resample_drawn`) instead of drawn from `rngs`."""
     qt = q.gather(-1, tokens.unsqueeze(-1) if at is None else at).squeeze(-1)
-    accepted = uniform(tuple(tokens.shape), rngs, tokens.device) * qt < pt  # u < pt/q without dividing
+    u = uniform(tuple(tokens.shape), rngs, tokens.device) if draws is None else draws[0]
+    accepted = u * qt < pt  # u < pt/q without dividing
     resid = (p - q).clamp_min(0)
     mass = resid.sum(-1, keepdim=True)
-    resid = torch.where(mass > 1e-9, resid / mass.clamp_min(1e-12), p)  # p == q: rejection had prob 0
-    return torch.where(accepted, tokens, sample_probs(resid, rngs)), accepted
+    # p == q: rejection had prob 0 (where mass is 0 the quotient is never selected: no clamp needed)
+    resid = torch.where(mass > 1e-9, resid / mass, p)
+    redrawn = sample_probs(resid, rngs) if draws is None else inverse_cdf(resid, draws[1])
+    return torch.where(accepted, tokens, redrawn), accepted
 
 
 def typical_accept(tokens: torch.Tensor, p: torch.Tensor, epsilon: float, delta: float,

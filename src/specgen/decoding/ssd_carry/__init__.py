@@ -32,7 +32,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
              rounds: int = 0, vertical: bool = True, draft_temperature: float | None = None,
              max_window_rows: int | None = None, max_lead: int | None = 2, second_row_wait: int | None = None,
              tails: list | tuple = (), acceptance=None, slots: int | None = None, batch_drafts: bool = True,
-             drafting: type = Drafting, trace: Trace | None = None) -> tuple[torch.Tensor, dict]:
+             batch_judge: bool = True, drafting: type = Drafting, trace: Trace | None = None) -> tuple[torch.Tensor, dict]:
     """SSD with carry: visual codes (B, H, W) and stats.
 
     rounds, max_window_rows, max_lead, second_row_wait: when an image drafts its next row (`window.Schedule`);
@@ -40,7 +40,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
     first that serves a row proposes), none by default; acceptance: the test (default `acceptance.Speculative()`);
     slots: continuous batching, the prompts a queue with at most `slots` images in flight (None: one fixed batch);
     batch_drafts: in a stream, the down rows its images draft between two passes are drafted in one drafter call
-    (False: one call per image; the same tokens up to the rounding of batched products);
+    (False: one call per image; the same tokens up to the rounding of batched products); batch_judge: in a stream,
+    the windows of its images are judged after a pass in one call (False: one after another; the same tokens);
     drafting: the class that drafts rows (`ssd_drafting.Drafting`; analysis tools pass an oracle); trace: told of
     every target forward and drafter call.
     stats: "nfe" target passes (one forward of the batch counts once), "image_passes" (B,) the passes each image
@@ -61,7 +62,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
     if slots is not None:
         from specgen.decoding.ssd_carry.stream import generate_stream  # the stream builds on this module's parts
         return generate_stream(backbone, prompts, make, slots, cfg_scale, temperature, top_k, rngs, vertical, trace,
-                               batch_drafts)
+                               batch_drafts, batch_judge)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs, trace)
     st.target_pass(st.g.prefix_len)  # prefill: prompt slot and begin-of-image
     win = make(st)

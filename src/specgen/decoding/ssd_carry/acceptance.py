@@ -8,7 +8,8 @@ from typing import Callable
 
 import torch
 
-from specgen.decoding.sampling import accept_or_resample, code_neighbours, relaxed_accept, typical_accept
+from specgen.decoding.sampling import (accept_or_resample, accept_or_resample_drawn, code_neighbours, relaxed_accept,
+                                       typical_accept, uniform)
 from specgen.decoding.state import SpecState
 from specgen.utils.validate import expect_float, expect_int
 
@@ -22,6 +23,21 @@ class Speculative:
 
     def bind(self, st: SpecState) -> Judge:
         return lambda tokens, p, q, fresh, gens: accept_or_resample(tokens, p, q, gens)
+
+    @staticmethod
+    def together(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The judgements of several images' windows in one call: `items` are the judgement's arguments (tokens
+        (1, n), p, q (1, n, V), fresh, generators), one generator each; each image's draws are its own, made as its
+        judgement alone makes them, so every token equals its judgement alone. None where an item has no generator
+        of its own (draws from the global stream: their order would change)."""
+        if any(gens is None or len(gens) != 1 for *_, gens in items):
+            return None
+        dev, sizes = items[0][0].device, [tokens.shape[1] for tokens, *_ in items]
+        keep = [uniform((1, n), gens, dev) for n, (*_, gens) in zip(sizes, items)]
+        redraw = [uniform((1, n, 1), gens, dev) for n, (*_, gens) in zip(sizes, items)]
+        cat = lambda i: torch.cat([item[i] for item in items], 1)  # noqa: E731
+        tokens, accepted = accept_or_resample_drawn(cat(0), cat(1), cat(2), torch.cat(keep, 1), torch.cat(redraw, 1))
+        return list(zip(tokens.split(sizes, 1), accepted.split(sizes, 1)))
 
 
 class _Relaxed:

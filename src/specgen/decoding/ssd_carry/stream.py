@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from specgen.backbones.protocol import DiscreteBackbone, Prompts
-from specgen.decoding.ssd_carry.window import CarryWindow
+from specgen.decoding.ssd_carry.window import CarryWindow, judge_together
 from specgen.decoding.ssd_drafting import down_together
 from specgen.decoding.state import SpecState
 from specgen.decoding.trace import Trace, or_silent
@@ -71,32 +71,33 @@ class _Image:
                 return end
             win.judge()
 
-    def after_pass(self) -> None:
-        """Judge the window after a pass."""
-        if self.win.pos.numel():  # not after the prefill: nothing is drafted yet
-            self.win.judge()
-
 
 def _assemble(feeding: list[int], inputs: list, S: int, reps: int, q: int):
     """One pass's inputs over every cache row (an idle slot's rows are padding: no row subsets to gather per layer):
-    where each token is written in the cache (-1: nowhere), its position, and its embedding. A slot's rows are s and
-    s + S (its CFG row); its window fills the first columns."""
+    where each token is written in the cache (-1: nowhere; also its position id, clamped to 0 there) and its
+    embedding. A slot's rows are s and s + S (its CFG row); its window fills the first columns. Built in a fixed
+    number of ops whatever the slots: the slots from Python ints, the embeddings in one indexed copy."""
     ref = inputs[0][1]
-    at = torch.full((S * reps, q), -1, dtype=torch.long, device=ref.device)
-    positions = at.clone()
-    embeds = ref.new_zeros(S * reps, q, ref.shape[-1])
-    for s, (_, emb, pos) in zip(feeding, inputs):
-        at[s::S, :pos.numel()] = positions[s::S, :pos.numel()] = pos
-        embeds[s::S, :pos.numel()] = emb
-    return at, positions, embeds
+    at = [[-1] * q for _ in range(S * reps)]
+    where = []  # flat (row, column) of every fed embedding, in the order of their concatenation
+    for s, (start, emb, _) in zip(feeding, inputs):
+        n = emb.shape[1]
+        for r in range(reps):
+            at[s + r * S][:n] = range(start, start + n)
+            where.extend(range((s + r * S) * q, (s + r * S) * q + n))
+    embeds = ref.new_zeros(S * reps * q, ref.shape[-1])
+    fed = torch.cat([emb.flatten(0, 1) for _, emb, _ in inputs])  # (sum of reps x n, D)
+    embeds.index_copy_(0, torch.tensor(where, device=ref.device), fed)
+    return torch.tensor(at, dtype=torch.long, device=ref.device), embeds.view(S * reps, q, -1)
 
 
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callable[[SpecState], CarryWindow],
                     slots: int, cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True,
-                    trace: Trace | None = None, batch_drafts: bool = True):
+                    trace: Trace | None = None, batch_drafts: bool = True, batch_judge: bool = True):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). `window`
     makes each image's carry window from its state (a stream image has no batch to run ahead of: max_lead is not
-    read)."""
+    read). batch_drafts, batch_judge: the down rows drafted between two passes in one drafter call, the windows
+    judged after a pass in one call (`window.judge_together`); each image's tokens are the same either way."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
@@ -135,17 +136,21 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
         q = max(emb.shape[1] for _, emb, _ in inputs)
-        at, positions, embeds = _assemble(feeding, inputs, S, reps, q)
+        at, embeds = _assemble(feeding, inputs, S, reps, q)
         cache.feed(all_rows, at)
+        positions = at.clamp_min(0)
         with trace.region("target", positions=q, rows=embeds.shape[0], prefill=all(i[0] == 0 for i in inputs)):
-            hidden = backbone.forward_embeds(embeds, positions.clamp_min(0), cache,
-                                             cache.mask(at, embeds.dtype, positions.clamp_min(0)))
+            hidden = backbone.forward_embeds(embeds, positions, cache, cache.mask(at, embeds.dtype, positions))
         nfe += 1
         for s, (start, _, pos) in zip(feeding, inputs):
-            img = running[s]
-            img.st.pass_done(start, hidden[s::S, :pos.numel()])
-            img.after_pass()
+            running[s].st.pass_done(start, hidden[s::S, :pos.numel()])
             ends[s] = None  # planned at the top of the loop
+        judged = [running[s].win for s in feeding if running[s].win.pos.numel()]  # not after a prefill
+        if batch_judge:
+            judge_together(judged)
+        else:
+            for win in judged:
+                win.judge()
     return _collect([done[i] for i in range(N)], nfe, S)
 
 

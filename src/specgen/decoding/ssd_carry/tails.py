@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specgen.decoding.sampling import inverse_cdf, sample_probs, uniform
+from specgen.decoding.sampling import inverse_cdf, sample_probs
 from specgen.decoding.state import SpecState
 from specgen.utils.validate import expect_int
 
@@ -124,7 +124,9 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
     table = win.drafting.left_maps()  # k x (image tokens, width)
     k, start = len(table), st.g.position(row, 0)
     temperature = st.temperature if st.temperature > 0 else 1.0
-    u = uniform((1, len(tail), 1), st.image_gens([b]), p.device)[0]  # (m, 1): the tail's draws, in order
+    gens = st.image_gens([b])  # (m, 1): the tail's draws, in order (one generator's m draws: `uniform`'s)
+    u = torch.rand((len(tail), 1), device=p.device) if gens is None else torch.rand(
+        (len(tail), 1), generator=gens[0], device=p.device)
 
     def logits(part: list[int]) -> torch.Tensor:  # (2, m, V): new, old; the k tokens before each, nearest first
         a, b_, feats = part[0], part[-1] + 1, None
@@ -149,8 +151,12 @@ def _reweight_down(win, b: int, tail: list[int], at: int, row: int, cached: tupl
         shift = new - old if temperature == 1.0 else (new - old) / temperature
         q = torch.softmax(p[part[0]:part[-1] + 1].log() + shift, -1)  # (m - i, V)
         tok = inverse_cdf(q, u[i:] if i else u)
-        moved = (tok != tokens[part[0]:part[-1] + 1]).tolist()
-        n = moved.index(True) + 1 if True in moved else len(part)  # through the first token drawn other than it stood
+        stood = tokens[part[0]:part[-1] + 1]
+        if torch.equal(tok, stood):  # every one drawn as it stood (one op): nothing to write
+            qs.append(q)
+            break
+        moved = (tok != stood).tolist()
+        n = moved.index(True) + 1  # through the first token drawn other than it stood
         tokens.narrow(0, part[0], n).copy_(tok if n == len(part) else tok[:n])
         qs.append(q if n == len(part) else q[:n])
         i += n

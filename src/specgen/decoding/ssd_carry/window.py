@@ -47,7 +47,7 @@ class CarryWindow:
     def __init__(self, st: SpecState, schedule: Schedule, drafting: Drafting, tails=(), acceptance=None):
         B, dev, g = st.B, st.seq.device, st.g
         self.st, self.schedule, self.drafting, self.tails = st, schedule, drafting, tuple(tails)
-        self.judgement = acceptance.bind(st)
+        self.acceptance, self.judgement = acceptance, acceptance.bind(st)
         self.final_upto = [g.position(0, 0)] * B
         self.drafted_upto = list(self.final_upto)
         self.next_row = [0] * B  # the row each image drafts next
@@ -203,6 +203,12 @@ class CarryWindow:
         """After the pass: accept or correct each live token of the images taking part, move their windows on. An
         image whose next row is due but not drafted (held back by max_lead, or horizontal rows waiting for the batch)
         waits without a pass, as if its next row came at once, so its draws stay its own."""
+        drive(self.judging(), self.judgement)
+
+    def judging(self):
+        """`judge` as a generator that asks for each image's judgement: it yields the judgement's arguments (tokens
+        (1, n), p and q (1, n, V), fresh flags, the image's generators) and takes back (tokens, accepted), so that a
+        stream can judge its images' windows in one call (`acceptance.Speculative.together`)."""
         st, pos, slots = self.st, self.pos, self.slots
         act = [b for b, (live, held) in enumerate(zip(self.live(), self.wants())) if live and not held]
         p = st.dist(st.hid.read(slice(None), pos - 1, slots[0] - 1, slots[-1] - 1))
@@ -215,7 +221,7 @@ class CarryWindow:
             lo, hi = (0, len(slots)) if whole else (bisect_left(slots, self.final_upto[b]),
                                                     bisect_left(slots, self.drafted_upto[b]))
             acted.append((b, lo, hi))
-            change, judged = self._judge_image(b, range(lo, hi), cur, new, p, proposals)
+            change, judged = yield from self._judge_image(b, range(lo, hi), cur, new, p, proposals)
             new = judged if whole else new
             if change is not None:
                 moved = change if moved is None else min(moved, change)
@@ -240,16 +246,16 @@ class CarryWindow:
             self.fresh = [flags[drop:] for flags in self.fresh]
 
     def _judge_image(self, b: int, own: range, cur: torch.Tensor, new: torch.Tensor | None, p: torch.Tensor,
-                     proposals: list) -> tuple[int | None, torch.Tensor]:
-        """Image b's part of `judge`: its window slots `own`, the tokens as fed (`cur`) and as judged (`new`, written
-        in place; None: the image's window is the whole batch-1 window, judged without views), the pass's p. Moves its
-        window on, appends a tail's proposals to `proposals`; returns the first sequence slot it changed (or None) and
-        the judged tokens (1, n)."""
+                     proposals: list):
+        """Image b's part of `judging` (a generator: it yields its judgement's arguments): its window slots `own`, the
+        tokens as fed (`cur`) and as judged (`new`, written in place; None: the image's window is the whole batch-1
+        window, judged without views), the pass's p. Moves its window on, appends a tail's proposals to `proposals`;
+        returns the first sequence slot it changed (or None) and the judged tokens (1, n)."""
         slots, lo, hi = self.slots, own.start, own.stop
         part = (lambda t: t) if new is None else (lambda t: t[b:b + 1, lo:hi])  # noqa: E731
         fed, fresh = part(cur), self.fresh[b][lo:hi]
         flags = torch.tensor([fresh], dtype=torch.bool, device=cur.device) if self.reads_fresh else None
-        nb, acc = self.judgement(fed, part(p), part(self.prop), flags, self.st.image_gens([b]))
+        nb, acc = yield fed, part(p), part(self.prop), flags, self.st.image_gens([b])
         if new is not None:
             new[b, lo:hi] = nb[0]
         changed = nb != fed  # (1, n)
@@ -302,6 +308,43 @@ class CarryWindow:
     def pass_stats(self) -> dict[str, torch.Tensor]:
         """Per image, where the passes went (`stats.PassStats.summary`)."""
         return self.stats.summary(torch.tensor(self.passes, device=self.st.seq.device))
+
+
+def drive(judging, judgement) -> None:
+    """Run a window's `judging` generator to its end, each judgement asked of it made by `judgement`."""
+    reply = None
+    while True:
+        try:
+            item = judging.send(reply)
+        except StopIteration:
+            return
+        reply = judgement(*item)
+
+
+def judge_together(windows: list[CarryWindow]) -> None:
+    """Judge the windows of several images (a stream's, each of batch 1) after a shared pass, their judgements in one
+    call where the acceptance rule can (`together`) and every image draws from its own generator; otherwise one
+    window after another. Every token is the one each window's `judge` gives alone: an image's draws come from its
+    own generator in the same order, and the tail proposals after its judgement draw after it, as alone."""
+    together = getattr(windows[0].acceptance, "together", None) if windows else None
+    if together is None or any(w.st.rngs is None for w in windows):
+        for w in windows:
+            w.judge()
+        return
+    gens = {i: w.judging() for i, w in enumerate(windows)}
+    replies = dict.fromkeys(gens)
+    while gens:
+        asks = []
+        for i in list(gens):
+            try:
+                asks.append((i, gens[i].send(replies[i])))
+            except StopIteration:
+                del gens[i]
+        if asks:
+            got = together([item for _, item in asks])
+            if got is None:  # no generator of its own in some item: judged one by one, in order
+                got = [windows[i].judgement(*item) for i, item in asks]
+            replies = {i: r for (i, _), r in zip(asks, got)}
 
 
 def _span(t: torch.Tensor, b: int, start: int, n: int) -> torch.Tensor:
