@@ -72,3 +72,37 @@ def test_an_alternative_written_past_its_position_sees_the_slots_below_it_and_it
         h = bb.forward_embeds(emb, positions, cache, cache.mask(slots, emb.dtype, positions))
     torch.testing.assert_close(h[0, :T], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h[0, T], ref_alt[0, 12], rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_forward_gives_the_padded_forwards_states():
+    """forward_packed: only the real tokens through the projections and MLPs, attention over the padded grid: the
+    states of a padded forward of the same feed (up to the rounding of products of another number of rows), its
+    cache entries the same, and a padded forward after it (transformers' own attention) unchanged."""
+    torch.manual_seed(0)
+    bb = ShapesLlama(preset="tiny", grid_size=4).eval()
+    T = bb.grid.seq_len
+    seqs = torch.randint(0, 100, (3, T))
+    chunks = [(0, 0, 10, 0), (1, 0, 3, 1), (2, 0, 7, 2)]
+    with torch.no_grad():
+        padded, packed = bb.new_ragged_cache(3, T), bb.new_ragged_cache(3, T)
+        ref = _feed(bb, padded, chunks, seqs)
+        slots = torch.full((3, 10), -1)
+        index, emb, pos = [], [], []
+        for r, a, b, src in chunks:
+            slots[r, :b - a] = torch.arange(a, b)
+            index += range(r * 10, r * 10 + b - a)
+            emb.append(bb.embed(seqs[src, a:b]))
+            pos += range(a, b)
+        packed.feed(torch.arange(3), slots, pack=torch.tensor(index))
+        got = bb.forward_packed(torch.cat(emb), torch.tensor(pos), packed, packed.mask(slots, torch.float32))
+        off = 0
+        for r, a, b, _ in chunks:
+            torch.testing.assert_close(got[off:off + b - a], ref[r, :b - a], rtol=1e-5, atol=1e-5)
+            off += b - a
+        for layer_p, layer_q in zip(padded.layers, packed.layers):
+            torch.testing.assert_close(layer_q.buf_k[:, :10], layer_p.buf_k[:, :10], rtol=1e-5, atol=1e-5)
+        after_p = _feed(bb, padded, [(0, 10, 12, 0)], seqs)
+        after_q = _feed(bb, packed, [(0, 10, 12, 0)], seqs)
+        torch.testing.assert_close(after_q, after_p, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pack="):
+        bb.forward_packed(torch.cat(emb), torch.tensor(pos), padded, padded.mask(slots, torch.float32))

@@ -340,8 +340,8 @@ def test_ssd_ops_cli_counts_ar_and_ssd_at_batch_1_and_a_stream(tmp_path, tiny_ex
 
 def test_batch_costs_cli_times_ar_in_a_batch_and_ssd_as_a_stream(tmp_path, tiny_exports, capsys):
     """analysis.batch_costs on the tiny world at batch 2: AR decodes one fixed batch (256 passes, one position a row a
-    pass but the end-of-row tokens), SSD a stream of two slots (rows: both slots' CFG rows); the row-positions computed
-    per image, the ratios and both ceilings follow from the measured parts by hand."""
+    pass but the end-of-row tokens), SSD a stream of two slots (rows: both slots' CFG rows); the row-positions and the
+    positions computed per image, the ratios and both ceilings follow from the measured parts by hand."""
     from specgen.analysis import batch_costs
 
     out = batch_costs.main([*_world(tiny_exports), "--out", str(tmp_path), "--strategy", "ssd"])
@@ -354,8 +354,11 @@ def test_batch_costs_cli_times_ar_in_a_batch_and_ssd_as_a_stream(tmp_path, tiny_
     for r in (ar_, ssd_):
         assert r["wall_s"] == pytest.approx(r["target_s"] + r["draft_s"] + r["other_s"])
         assert r["ceiling_forwards"] == pytest.approx(ar_["wall_s"] / r["target_s"])
-        assert r["compute_ratio"] == pytest.approx(r["row_positions_per_image"] / ar_["row_positions_per_image"])
+        assert r["compute_ratio"] == pytest.approx(r["computed_per_image"] / ar_["computed_per_image"])
+    assert ar_["computed_per_image"] == ar_["row_positions_per_image"]  # a fixed batch computes its whole grid
+    # the stream is packed: it computes its images' own tokens, fewer than its padded grid's row-positions
+    assert 0 < ssd_["computed_per_image"] < ssd_["row_positions_per_image"]
     assert ssd_["draft_s"] > 0 == ar_["draft_s"] and ssd_["passes"] < 128
-    assert ssd_["ceiling_ar_cost"] == pytest.approx(ar_["target_s"] / (ssd_["row_positions_per_image"]
+    assert ssd_["ceiling_ar_cost"] == pytest.approx(ar_["target_s"] / (ssd_["computed_per_image"]
                                                                      * ar_["step_s"] / ar_["rows"]))
     assert "ceiling fwd" in capsys.readouterr().out

@@ -475,3 +475,25 @@ def test_speculative_together_equals_each_window_judged_alone():
                for a, b in zip(alone_gens, together_gens))
     assert not all(bool(a.all()) for _, a in alone)  # some token was redrawn: the residual draws were compared
     assert Speculative.together([(*items[0], None)]) is None  # the global stream: not judged together
+
+
+def test_a_packed_stream_computes_only_its_images_tokens_and_decodes_as_padded():
+    """packed (the default): a stream's forwards feed only its images' own tokens through the projections and MLPs
+    (fewer token positions computed than its padded grid's), and decode as the padded stream does: greedy output is
+    AR's, sampled output the padded stream's up to the rounding of products of another number of rows (on the
+    machines seen, every token)."""
+    from specgen.analysis.ssd_costs import Clock
+
+    m = tiny(True, grid=6)
+    p = m.prompts(MORE)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    greedy, _ = decode(m, p, noisy_drafter(m, True), temperature=0, slots=4)
+    assert torch.equal(greedy, ref)
+    kw = default_carry(slots=4)
+    clocks = {True: Clock(), False: Clock()}
+    packed = decode(m, p, noisy_drafter(m, True), range(6), trace=clocks[True], **kw)
+    padded = decode(m, p, noisy_drafter(m, True), range(6), packed=False, trace=clocks[False], **kw)
+    assert (packed[0] == padded[0]).float().mean() > 0.95
+    grid = [f[0] * f[1] for f in clocks[True].forwards]
+    assert clocks[False].computed == [f[0] * f[1] for f in clocks[False].forwards]
+    assert sum(clocks[True].computed) < 0.9 * sum(grid)  # the padding is not computed

@@ -114,14 +114,20 @@ class TimedForwards:
     def __getattr__(self, name):
         return getattr(self._bb, name)
 
-    def forward_embeds(self, *args, **kwargs):
+    def _timed(self, forward, *args, **kwargs):
         _sync(self._bb.device)
         t = time.perf_counter()
-        out = self._bb.forward_embeds(*args, **kwargs)
+        out = forward(*args, **kwargs)
         _sync(self._bb.device)
         self.__dict__["seconds"] += time.perf_counter() - t
         self.__dict__["forwards"] += 1
         return out
+
+    def forward_embeds(self, *args, **kwargs):
+        return self._timed(self._bb.forward_embeds, *args, **kwargs)
+
+    def forward_packed(self, *args, **kwargs):  # a stream's packed forwards (`ssd_carry.stream`)
+        return self._timed(self._bb.forward_packed, *args, **kwargs)
 
 
 def _sync(device: torch.device) -> None:

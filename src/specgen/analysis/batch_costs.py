@@ -5,10 +5,11 @@ AR decodes the prompts as one fixed batch; SSD with carry as the benchmark runs 
 slot per prompt (`ssd_carry.generate(..., slots=B)`). Every target forward is timed with the positions and rows it
 feeds (`ssd_costs.Clock`), drafting with its own clock, the rest of the wall time is verification and bookkeeping.
 The report gives per strategy the split of its wall time, its passes, the positions each forward feeds per row, the
-rows x positions it computes per image (the arithmetic: AR computes one position a row a pass) and two ceilings of
-SSD's wall ratio against AR: the forwards alone (AR's wall over SSD's target seconds: drafting, verification and
-bookkeeping free) and forwards at AR's cost per position (AR's target seconds over SSD's positions priced at AR's
-seconds per row-position). Where a forward's cost grows with the positions it feeds, the first ceiling is what no
+token positions it computes per image (the arithmetic: AR computes one position a row a pass; a padded stream
+computes rows x positions, a packed one only its images' own tokens) and two ceilings of SSD's wall ratio against AR:
+the forwards alone (AR's wall over SSD's target seconds: drafting, verification and bookkeeping free) and forwards
+at AR's cost per position (AR's target seconds over SSD's computed positions priced at AR's seconds per
+row-position). Where a forward's cost grows with the positions it feeds, the first ceiling is what no
 hot-path work can pass at this batch size on this machine.
 
     python -m specgen.analysis.batch_costs --backbone checkpoints/ar_shapes --tokenizer checkpoints/vq_shapes \\
@@ -48,7 +49,7 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
     clock, n, out = Clock(), len(prompts), {}
     for decode in fns.values():
         decode(backbone.prompts(prompts[:2]), make_rngs([seed, seed + 1]), clock)
-    acc = {name: {"wall": 0.0, "draft": 0.0, "passes": 0.0, "forwards": []} for name in fns}
+    acc = {name: {"wall": 0.0, "draft": 0.0, "passes": 0.0, "forwards": [], "computed": []} for name in fns}
     for _ in range(repeats):  # interleaved: a drift of the machine's speed falls on every strategy alike
         for name, decode in fns.items():
             clock.reset()
@@ -59,15 +60,18 @@ def measure(backbone, drafter, prompts: list[str], cfg_scale: float, strategies:
             a["draft"] += clock.draft_s
             a["passes"] += float(stats["nfe"])
             a["forwards"] += clock.forwards
+            a["computed"] += clock.computed
     images = n * repeats
     for name, a in acc.items():
         steps = [f for f in a["forwards"] if not f[3]]  # after the prefills
+        computed = [c for f, c in zip(a["forwards"], a["computed"]) if not f[3]]
         target = sum(f[2] for f in a["forwards"])
         out[name] = {"images": images, "wall_s": a["wall"] / images, "target_s": target / images,
                      "draft_s": a["draft"] / images, "other_s": (a["wall"] - target - a["draft"]) / images,
                      "passes": a["passes"] / repeats, "rows": max(f[1] for f in a["forwards"]),
                      "positions_per_forward": sum(f[0] for f in steps) / max(len(steps), 1),
                      "row_positions_per_image": sum(f[0] * f[1] for f in steps) / images,
+                     "computed_per_image": sum(computed) / images,  # fewer than row-positions where packed
                      "step_s": sum(f[2] for f in steps) / max(len(steps), 1)}
     return out
 
@@ -80,19 +84,19 @@ def report(result: dict) -> dict:
     for name, r in result.items():
         out[name] = {**r, "wall_ratio": base["wall_s"] / r["wall_s"],
                      "pass_ratio": base["passes"] / r["passes"],
-                     "compute_ratio": r["row_positions_per_image"] / base["row_positions_per_image"],
+                     "compute_ratio": r["computed_per_image"] / base["computed_per_image"],
                      "ceiling_forwards": base["wall_s"] / r["target_s"],
-                     "ceiling_ar_cost": base["target_s"] / (r["row_positions_per_image"] * per_position)}
+                     "ceiling_ar_cost": base["target_s"] / (r["computed_per_image"] * per_position)}
     return out
 
 
 def format_report(rows: dict, batch: int) -> str:
     lines = [f"batch {batch}: {'passes':>7} {'q/forward':>9} {'rows':>5} {'ms/forward':>10} {'wall x':>7} "
-             f"{'row-pos x':>9} {'ceiling fwd':>11} {'ceiling AR-cost':>15}   wall split (target / draft / other)"]
+             f"{'computed x':>10} {'ceiling fwd':>11} {'ceiling AR-cost':>15}   wall split (target / draft / other)"]
     for name, r in rows.items():
         split = " / ".join(f"{r[k] / r['wall_s']:.0%}" for k in ("target_s", "draft_s", "other_s"))
         lines.append(f"  {name:<8} {r['passes']:>7.1f} {r['positions_per_forward']:>9.1f} {r['rows']:>5} "
-                     f"{1e3 * r['step_s']:>10.2f} {r['wall_ratio']:>7.2f} {r['compute_ratio']:>9.2f} "
+                     f"{1e3 * r['step_s']:>10.2f} {r['wall_ratio']:>7.2f} {r['compute_ratio']:>10.2f} "
                      f"{r['ceiling_forwards']:>11.2f} {r['ceiling_ar_cost']:>15.2f}   {split}")
     return "\n".join(lines)
 

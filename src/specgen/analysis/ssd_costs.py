@@ -43,14 +43,16 @@ from specgen.utils.checkpoints import atomic_write_text
 
 class Clock(Trace):
     """A trace that times target forwards (positions fed, rows, seconds, whether it was a prefill) and the seconds
-    spent drafting (regions nest: a draft inside a draft counts once)."""
+    spent drafting (regions nest: a draft inside a draft counts once); `computed`: the token positions each forward
+    computed (rows x positions, or fewer in a packed forward)."""
 
     def __init__(self):
         self.forwards: list[tuple[int, int, float, bool]] = []
+        self.computed: list[int] = []
         self.draft_s, self._open = 0.0, []
 
     def reset(self):
-        self.forwards, self.draft_s = [], 0.0
+        self.forwards, self.computed, self.draft_s = [], [], 0.0
 
     def enter(self, kind: str, info: dict) -> None:
         self._open.append(time.perf_counter())
@@ -59,6 +61,7 @@ class Clock(Trace):
         seconds = time.perf_counter() - self._open.pop()
         if kind == "target":
             self.forwards.append((info["positions"], info["rows"], seconds, info["prefill"]))
+            self.computed.append(info.get("tokens", info["positions"] * info["rows"]))
         elif kind == "draft" and not self._open:
             self.draft_s += seconds
 

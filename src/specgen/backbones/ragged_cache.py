@@ -15,11 +15,39 @@ slot s see its row's entries at slots <= s and nothing else, so
 The layers return the buffer up to the highest slot fed (`visible`), so attention spans that many keys per query
 whatever a row has written: cheap for the embedded world's 300-slot sequences. Position ids are the slots (the
 caller passes them).
+
+Packed forwards (`feed(..., pack=index)`): the forward's input is only the real tokens, (1, N) in the order of
+`index` (their flat places in the (R, q) grid of `slots`), so the projections and the MLPs see no padding; attention
+(`ragged_attention`, registered with transformers as "specgen_ragged") scatters the queries into the padded grid,
+runs the same masked attention as a padded forward and gathers the real tokens' outputs back. A stream whose
+windows differ in length feeds about half of its padded grid (`ssd_carry.stream`).
 """
 from __future__ import annotations
 
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION = "specgen_ragged"
+
+
+def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *args,
+                     ragged_pack: tuple | None = None, **kwargs):
+    """transformers' SDPA attention, for packed queries (1, H, N, d) where `ragged_pack` is (index (N,), rows,
+    width): scattered into the padded grid (rows, H, width, d), attended with the (rows, 1, width, keys) mask over
+    the cache's rows, gathered back to (1, N, H, d). Without a pack it is transformers' SDPA attention itself."""
+    if ragged_pack is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    index, rows, width = ragged_pack
+    heads, dim = query.shape[1], query.shape[3]
+    grid = query.new_zeros(rows * width, heads, dim).index_copy_(0, index, query[0].transpose(0, 1))
+    out, _ = sdpa_attention_forward(module, grid.view(rows, width, heads, dim).transpose(1, 2), key, value,
+                                    attention_mask, *args, **kwargs)  # (rows, width, H, d)
+    return out.reshape(rows * width, heads, dim)[index][None], None
+
+
+AttentionInterface.register(ATTENTION, ragged_attention)
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -68,6 +96,7 @@ class RaggedCache(Cache):
         self.rows = torch.arange(rows, device=device)
         self.write_at = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.flat = self.write_at.flatten()
+        self.pack = None  # (index, rows, width) of a packed forward
         self.all_rows = True
         self.visible = 1  # keys a forward attends over: slots [0, visible), the highest fed slot's and below
 
@@ -79,8 +108,9 @@ class RaggedCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(rows, length, config.num_hidden_layers, kv_heads, head_dim, dtype, device)
 
-    def feed(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """The next forward feeds cache rows `rows` (R,) at `slots` (R, q); -1 marks padding."""
+    def feed(self, rows: torch.Tensor, slots: torch.Tensor, pack: torch.Tensor | None = None) -> None:
+        """The next forward feeds cache rows `rows` (R,) at `slots` (R, q); -1 marks padding. `pack` (N,): the forward
+        is packed, its tokens those at these flat places of the (R, q) grid, in this order (`pack_args`)."""
         if rows.ndim != 1 or slots.ndim != 2 or slots.shape[0] != rows.numel():
             raise ValueError(f"feed takes rows (R,) and slots (R, q), got {tuple(rows.shape)} and {tuple(slots.shape)}")
         top = int(slots.max()) if slots.numel() else -1  # the highest slot fed
@@ -90,6 +120,9 @@ class RaggedCache(Cache):
         self.all_rows = rows.numel() == self.num_rows and bool((rows == torch.arange(self.num_rows, device=rows.device)).all())
         self.write_at = torch.where(slots < 0, self.length, slots)
         self.flat = (rows[:, None] * (self.length + 1) + self.write_at).flatten()  # (R q,): rows x slots, every layer's
+        if pack is not None:
+            self.flat = self.flat[pack]
+        self.pack = None if pack is None else (pack, *slots.shape)
         self.visible = top + 1 if top >= 0 else 1
 
     def mask(self, slots: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None) -> torch.Tensor:

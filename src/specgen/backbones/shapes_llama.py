@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 from specgen.backbones.prenorm import split_final_norm
 from specgen.backbones.protocol import Prompts, PromptRows, TokenGrid, float_logits
-from specgen.backbones.ragged_cache import RaggedCache
+from specgen.backbones.ragged_cache import ATTENTION, RaggedCache
 from specgen.world.prompts import WORDS, tokenize_words
 
 SPECIALS = ("<pad>", "<boi>", "<eoi>", "<eol>")
@@ -136,6 +136,19 @@ class ShapesLlama(nn.Module):
         out = self.model.model(inputs_embeds=embeds, position_ids=slots, cache=cache, attention_mask=attn_mask,
                                use_cache=cache is not None)
         return out.last_hidden_state
+
+    def forward_packed(self, embeds: torch.Tensor, positions: torch.Tensor, cache: RaggedCache,
+                       attn_mask: torch.Tensor) -> torch.Tensor:
+        """A packed forward over a `RaggedCache` fed with `pack` (`ragged_cache`): the real tokens' embeddings (N, D)
+        at positions (N,), the padded grid's mask (R, 1, q, keys) -> pre-norm hidden (N, D). The projections and
+        MLPs see only the N tokens; attention is the padded forward's."""
+        if cache.pack is None:
+            raise ValueError("forward_packed needs a RaggedCache fed with pack= (the tokens' places in the grid)")
+        if self.config._attn_implementation != ATTENTION:  # transformers' SDPA where no pack is given
+            self.config._attn_implementation = ATTENTION
+        out = self.model.model(inputs_embeds=embeds[None], position_ids=positions[None], cache=cache,
+                               attention_mask=attn_mask, use_cache=True, ragged_pack=cache.pack)
+        return out.last_hidden_state[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings of token ids: (...,) -> (..., D)."""

@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 class Trace:
     """Receives the regions of a decode. Kinds: "target" (one target forward; info: `positions` fed, `rows` of the
-    batch, `prefill`: it fed the prompt) and "draft" (one drafting step; info: `what`, e.g. "right", "down",
+    batch, `prefill`: it fed the prompt; optional `tokens`: the token positions it computed where fewer than rows x
+    positions, a packed forward) and "draft" (one drafting step; info: `what`, e.g. "right", "down",
     "redraft", "reweight"; `tokens`: the image tokens it drafts). Override `enter` and `exit` (or `region`); the
     base class does nothing."""
 

@@ -74,30 +74,56 @@ class _Image:
 
 def _assemble(feeding: list[int], inputs: list, S: int, reps: int, q: int):
     """One pass's inputs over every cache row (an idle slot's rows are padding: no row subsets to gather per layer):
-    where each token is written in the cache (-1: nowhere; also its position id, clamped to 0 there) and its
-    embedding. A slot's rows are s and s + S (its CFG row); its window fills the first columns. Built in a fixed
-    number of ops whatever the slots: the slots from Python ints, the embeddings in one indexed copy."""
+    where each token is written in the cache (R, q; -1: nowhere), the flat places of the real tokens in that grid
+    (N,), their positions (N,) and embeddings (N, D), in slot order, each slot's rows s and s + S (its CFG row) one
+    after the other. A slot's window fills its rows' first columns. Built in a fixed number of ops whatever the
+    slots (the slots from Python ints)."""
     ref = inputs[0][1]
     at = [[-1] * q for _ in range(S * reps)]
-    where = []  # flat (row, column) of every fed embedding, in the order of their concatenation
+    where, positions = [], []
     for s, (start, emb, _) in zip(feeding, inputs):
         n = emb.shape[1]
         for r in range(reps):
             at[s + r * S][:n] = range(start, start + n)
             where.extend(range((s + r * S) * q, (s + r * S) * q + n))
-    embeds = ref.new_zeros(S * reps * q, ref.shape[-1])
-    fed = torch.cat([emb.flatten(0, 1) for _, emb, _ in inputs])  # (sum of reps x n, D)
-    embeds.index_copy_(0, torch.tensor(where, device=ref.device), fed)
-    return torch.tensor(at, dtype=torch.long, device=ref.device), embeds.view(S * reps, q, -1)
+            positions.extend(range(start, start + n))
+    fed = torch.cat([emb.flatten(0, 1) for _, emb, _ in inputs])  # (N, D)
+    tensor = lambda x: torch.tensor(x, dtype=torch.long, device=ref.device)  # noqa: E731
+    return tensor(at), tensor(where), tensor(positions), fed
+
+
+def _forward(backbone, cache, feeding: list[int], inputs: list, S: int, reps: int, packed: bool, trace) -> list:
+    """One target forward of the slots `feeding` through the ragged cache: each slot's states (reps, n, D). Packed:
+    only the real tokens through the projections and MLPs (`forward_packed`); otherwise every row padded to the
+    longest window."""
+    q = max(emb.shape[1] for _, emb, _ in inputs)
+    at, where, positions, fed = _assemble(feeding, inputs, S, reps, q)
+    cache.feed(torch.arange(S * reps, device=at.device), at, pack=where if packed else None)
+    grid = at.clamp_min(0)
+    mask = cache.mask(at, fed.dtype, grid)
+    with trace.region("target", positions=q, rows=S * reps, prefill=all(i[0] == 0 for i in inputs),
+                      tokens=fed.shape[0] if packed else S * reps * q):
+        if packed:
+            hidden = backbone.forward_packed(fed, positions, cache, mask)
+        else:
+            embeds = fed.new_zeros(S * reps * q, fed.shape[-1]).index_copy_(0, where, fed)
+            hidden = backbone.forward_embeds(embeds.view(S * reps, q, -1), grid, cache, mask)
+    if not packed:
+        return [hidden[s::S, :emb.shape[1]] for s, (_, emb, _) in zip(feeding, inputs)]
+    sizes = [emb.shape[0] * emb.shape[1] for _, emb, _ in inputs]
+    return [h.view(reps, -1, h.shape[-1]) for h in hidden.split(sizes)]
 
 
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callable[[SpecState], CarryWindow],
                     slots: int, cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True,
-                    trace: Trace | None = None, batch_drafts: bool = True, batch_judge: bool = True):
+                    trace: Trace | None = None, batch_drafts: bool = True, batch_judge: bool = True,
+                    packed: bool = True):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). `window`
     makes each image's carry window from its state (a stream image has no batch to run ahead of: max_lead is not
     read). batch_drafts, batch_judge: the down rows drafted between two passes in one drafter call, the windows
-    judged after a pass in one call (`window.judge_together`); each image's tokens are the same either way."""
+    judged after a pass in one call (`window.judge_together`; the same tokens either way); packed: a forward feeds
+    only the images' own tokens through the projections and MLPs, where the backbone can (`forward_packed`; the
+    same states up to the rounding of products of another number of rows)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
@@ -113,7 +139,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
     g = backbone.grid.at(prompts.rows(reps == 2).length)
     S = min(slots, N)
     cache = new_cache(S * reps, g.position(g.height, 0))
-    all_rows = torch.arange(S * reps, device=backbone.device)
+    packed = packed and hasattr(backbone, "forward_packed")
     queue = iter(range(N))
     running: list[_Image | None] = [None] * S
     ends: list[int | None] = [None] * S
@@ -135,15 +161,10 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
         if not feeding:
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
-        q = max(emb.shape[1] for _, emb, _ in inputs)
-        at, embeds = _assemble(feeding, inputs, S, reps, q)
-        cache.feed(all_rows, at)
-        positions = at.clamp_min(0)
-        with trace.region("target", positions=q, rows=embeds.shape[0], prefill=all(i[0] == 0 for i in inputs)):
-            hidden = backbone.forward_embeds(embeds, positions, cache, cache.mask(at, embeds.dtype, positions))
+        states = _forward(backbone, cache, feeding, inputs, S, reps, packed, trace)
         nfe += 1
-        for s, (start, _, pos) in zip(feeding, inputs):
-            running[s].st.pass_done(start, hidden[s::S, :pos.numel()])
+        for s, (start, _, _), h in zip(feeding, inputs, states):
+            running[s].st.pass_done(start, h)
             ends[s] = None  # planned at the top of the loop
         judged = [running[s].win for s in feeding if running[s].win.pos.numel()]  # not after a prefill
         if batch_judge:
