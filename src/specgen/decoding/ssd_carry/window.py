@@ -341,9 +341,7 @@ def judge_together(windows: list[CarryWindow]) -> None:
             except StopIteration:
                 del gens[i]
         if asks:
-            got = together([item for _, item in asks])
-            if got is None:  # no generator of its own in some item: judged one by one, in order
-                got = [windows[i].judgement(*item) for i, item in asks]
+            got = together([item for _, item in asks])  # every image has its own generator (checked above)
             replies = {i: r for (i, _), r in zip(asks, got)}
 
 
