@@ -1,9 +1,9 @@
 """The SSD decoders against pinned outputs: 31 settings of `ssd.generate` (the paper's SSD) and `ssd_carry.generate`
 (the default and its variants) on the shipped backbone and drafters, three prompts, per-image seeds. Every code and
 every statistic must equal tests/fixtures/ssd_reference.pt (written by tests/fixtures/make_ssd_reference.py), so a
-change to the decoders that moves a single draw shows here. The file holds one table per CPU capability (a few near-tied
-draws fall differently where kernels round differently); a CPU without a table is held to the AVX2 one and a failure
-names how to write its own. A subset runs by default, every setting in the slow run."""
+change to the decoders that moves a single draw shows here. The file holds one table per CPU's kernels (a few near-tied
+draws fall differently where kernels round differently); a CPU without a table is held to the table of its capability
+(else AVX2's) and a failure names how to write its own. A subset runs by default, every setting in the slow run."""
 import sys
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import torch
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 try:
-    from make_ssd_reference import World, run, settings
+    from make_ssd_reference import World, cpu_kernels, run, settings
 finally:
     sys.path.remove(str(FIXTURES))
 
@@ -27,9 +27,12 @@ def world():
     return World()
 
 
-CPU = torch.backends.cpu.get_cpu_capability()
+CPU = cpu_kernels()
 FALLBACK = "AVX2"
-NEAR_TIES = ("default_bf16", "carry_tokens")  # the settings whose draws fall differently on AVX512 and AVX2
+TABLES = ("AVX2", "AVX512", "AVX512+AMX")
+# the settings whose draws fall differently between the tables' CPUs (AVX512 against AVX2: the first two; AMX against
+# either: default_bf16 and the last two, carry_tokens also against AVX512)
+NEAR_TIES = ("default_bf16", "carry_tokens", "carry_no_lead_bound", "paper_horizontal")
 
 
 @pytest.fixture(scope="module")
@@ -39,25 +42,35 @@ def tables():
 
 @pytest.fixture(scope="module")
 def reference(tables):
-    return tables.get(CPU, tables[FALLBACK])
+    return tables[_key(tables)]
+
+
+def _key(tables) -> str:
+    """This CPU's table, else its capability's (AVX512+AMX -> AVX512), else AVX2's."""
+    return next(k for k in (CPU, CPU.split("+")[0], FALLBACK) if k in tables)
 
 
 def test_the_fixture_pins_every_setting_for_each_cpu(tables):
-    assert {"AVX512", "AVX2"} <= set(tables)
+    assert set(TABLES) <= set(tables)
     for cpu, table in tables.items():
         assert set(table) == set(SETTINGS), (cpu, set(table) ^ set(SETTINGS))
     assert set(FAST) <= set(SETTINGS)
 
 
 def test_the_cpus_tables_differ_only_in_the_named_near_ties(tables):
-    """A table rewritten to hide a change of the decoders would differ from the other CPU's in more settings."""
-    a, b = tables["AVX512"], tables["AVX2"]
-    same = {n for n in SETTINGS if torch.equal(a[n]["codes"], b[n]["codes"])}
-    assert set(SETTINGS) - same == set(NEAR_TIES)
+    """A table rewritten to hide a change of the decoders would differ from the other CPUs' in more settings."""
+    differ = set()
+    for i, a in enumerate(TABLES):
+        for b in TABLES[i + 1:]:
+            pair = {n for n in SETTINGS if not torch.equal(tables[a][n]["codes"], tables[b][n]["codes"])}
+            assert pair <= set(NEAR_TIES), (a, b, pair - set(NEAR_TIES))
+            differ |= pair
+    assert differ == set(NEAR_TIES)
 
 
 def _fix(name: str) -> str:
-    table = CPU if CPU in ("AVX512", "AVX2") else f"{FALLBACK} (this CPU, {CPU}, has no table of its own)"
+    key = _key(torch.load(FIXTURES / "ssd_reference.pt", weights_only=True))
+    table = key if key == CPU else f"{key} (this CPU, {CPU}, has no table of its own)"
     return (f"{name} differs from the {table} table; if the decoders did not change, write this CPU's table with "
             f"`python tests/fixtures/make_ssd_reference.py tests/fixtures/ssd_reference.pt {name}`")
 
