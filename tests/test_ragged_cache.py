@@ -106,3 +106,41 @@ def test_a_packed_forward_gives_the_padded_forwards_states():
         torch.testing.assert_close(after_q, after_p, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="pack="):
         bb.forward_packed(torch.cat(emb), torch.tensor(pos), padded, padded.mask(slots, torch.float32))
+
+
+def test_grouped_attention_gives_the_padded_forwards_states():
+    """feed(groups=): attention slot by slot (a slot's rows s and s + S over their own queries and keys, views of the
+    cache) gives the states of a padded forward of the same feeds, over two forwards whose slots see different
+    numbers of keys; groups without a pack, or over a subset of the rows, are refused."""
+    torch.manual_seed(0)
+    bb = ShapesLlama(preset="tiny", grid_size=4).eval()
+    T, S = bb.grid.seq_len, 2
+    seqs = torch.randint(0, 100, (2 * S, T))
+    feeds = [[(0, 10), (0, 4)], [(10, 13), (4, 10)]]  # per forward, per slot: the slots [a, b) its two rows feed
+    with torch.no_grad():
+        padded, grouped = bb.new_ragged_cache(2 * S, T), bb.new_ragged_cache(2 * S, T)
+        for feed in feeds:
+            chunks = [(s + r * S, a, b, s + r * S) for s, (a, b) in enumerate(feed) for r in range(2)]
+            ref = _feed(bb, padded, sorted(chunks), seqs)
+            q = max(b - a for a, b in feed)
+            slots = torch.full((2 * S, q), -1)
+            index, emb, pos = [], [], []
+            for s, (a, b) in enumerate(feed):
+                for r in range(2):
+                    row = s + r * S
+                    slots[row, :b - a] = torch.arange(a, b)
+                    index += range(row * q, row * q + b - a)
+                    emb.append(bb.embed(seqs[row, a:b]))
+                    pos += range(a, b)
+            groups = (S, [(s, b - a, b) for s, (a, b) in enumerate(feed)])
+            grouped.feed(torch.arange(2 * S), slots, pack=torch.tensor(index), groups=groups)
+            got = bb.forward_packed(torch.cat(emb), torch.tensor(pos), grouped, grouped.mask(slots, torch.float32))
+            off = 0
+            for s, (a, b) in enumerate(feed):
+                for r in range(2):
+                    torch.testing.assert_close(got[off:off + b - a], ref[s + r * S, :b - a], rtol=1e-5, atol=1e-5)
+                    off += b - a
+    with pytest.raises(ValueError, match="groups="):
+        grouped.feed(torch.arange(2 * S), slots, groups=groups)
+    with pytest.raises(ValueError, match="groups="):
+        grouped.feed(torch.arange(S), slots[:S], pack=torch.tensor([0]), groups=groups)

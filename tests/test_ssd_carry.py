@@ -497,3 +497,18 @@ def test_a_packed_stream_computes_only_its_images_tokens_and_decodes_as_padded()
     grid = [f[0] * f[1] for f in clocks[True].forwards]
     assert clocks[False].computed == [f[0] * f[1] for f in clocks[False].forwards]
     assert sum(clocks[True].computed) < 0.9 * sum(grid)  # the padding is not computed
+
+
+def test_per_image_attention_decodes_as_the_packed_stream():
+    """per_image_attention (off by default): a packed stream's attention image by image over its own keys. Greedy
+    output is AR's; sampled output the packed stream's up to the rounding of attention over fewer keys (on the
+    machines seen, every token)."""
+    m = tiny(True, grid=6)
+    p = m.prompts(MORE)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    greedy, _ = decode(m, p, noisy_drafter(m, True), temperature=0, slots=4, per_image_attention=True)
+    assert torch.equal(greedy, ref)
+    kw = default_carry(slots=4)
+    grouped = decode(m, p, noisy_drafter(m, True), range(6), per_image_attention=True, **kw)
+    packed = decode(m, p, noisy_drafter(m, True), range(6), **kw)
+    assert (grouped[0] == packed[0]).float().mean() > 0.95

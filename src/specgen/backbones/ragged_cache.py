@@ -20,7 +20,9 @@ Packed forwards (`feed(..., pack=index)`): the forward's input is only the real 
 `index` (their flat places in the (R, q) grid of `slots`), so the projections and the MLPs see no padding; attention
 (`ragged_attention`, registered with transformers as "specgen_ragged") scatters the queries into the padded grid,
 runs the same masked attention as a padded forward and gathers the real tokens' outputs back. A stream whose
-windows differ in length feeds about half of its padded grid (`ssd_carry.stream`).
+windows differ in length feeds about half of its padded grid (`ssd_carry.stream`). With `feed(..., groups=)`
+attention too runs image by image, each image's rows over their own queries and keys (views of the cache: a call a
+group and layer, no copies), the same states up to the rounding of products of other shapes.
 """
 from __future__ import annotations
 
@@ -35,16 +37,38 @@ ATTENTION = "specgen_ragged"
 def ragged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, *args,
                      ragged_pack: tuple | None = None, **kwargs):
     """transformers' SDPA attention, for packed queries (1, H, N, d) where `ragged_pack` is (index (N,), rows,
-    width): scattered into the padded grid (rows, H, width, d), attended with the (rows, 1, width, keys) mask over
-    the cache's rows, gathered back to (1, N, H, d). Without a pack it is transformers' SDPA attention itself."""
+    width, groups): scattered into the padded grid (rows, H, width, d), attended with the (rows, 1, width, keys) mask
+    over the cache's rows, gathered back to (1, N, H, d). With `groups` (`feed(..., groups=)`) each group of rows is
+    attended alone over its own keys, its queries only (`_grouped_attention`). Without a pack it is transformers'
+    SDPA attention itself."""
     if ragged_pack is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    index, rows, width = ragged_pack
+    index, rows, width, groups = ragged_pack
+    if groups is not None:
+        return _grouped_attention(module, query, key, value, attention_mask, groups, *args, **kwargs), None
     heads, dim = query.shape[1], query.shape[3]
     grid = query.new_zeros(rows * width, heads, dim).index_copy_(0, index, query[0].transpose(0, 1))
     out, _ = sdpa_attention_forward(module, grid.view(rows, width, heads, dim).transpose(1, 2), key, value,
                                     attention_mask, *args, **kwargs)  # (rows, width, H, d)
     return out.reshape(rows * width, heads, dim)[index][None], None
+
+
+def _grouped_attention(module, query, key, value, attention_mask, groups: tuple, *args, **kwargs) -> torch.Tensor:
+    """Packed queries (1, H, N, d) attended group by group: `groups` is (step, [(first, n, keys), ...]) in the
+    pack's order, a group the cache rows first, first + step, ... (as many as `key`'s rows over step), n tokens each
+    (its rows' first n grid columns, consecutive in the pack) over their first `keys` slots. Every slice is a view:
+    no key or value is copied, and no padded query or key is computed."""
+    step, parts = groups
+    reps, heads, dim = key.shape[0] // step, query.shape[1], query.shape[3]
+    outs, off = [], 0
+    for first, n, keys in parts:
+        q = query[0, :, off:off + reps * n].view(heads, reps, n, dim).transpose(0, 1)  # (reps, H, n, d)
+        rows = slice(first, None, step)
+        out, _ = sdpa_attention_forward(module, q, key[rows, :, :keys], value[rows, :, :keys],
+                                        attention_mask[rows, :, :n, :keys], *args, **kwargs)  # (reps, n, H, d)
+        outs.append(out.reshape(reps * n, heads, dim))
+        off += reps * n
+    return torch.cat(outs)[None]
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)
@@ -96,7 +120,7 @@ class RaggedCache(Cache):
         self.rows = torch.arange(rows, device=device)
         self.write_at = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.flat = self.write_at.flatten()
-        self.pack = None  # (index, rows, width) of a packed forward
+        self.pack = None  # (index, rows, width, groups) of a packed forward
         self.all_rows = True
         self.visible = 1  # keys a forward attends over: slots [0, visible), the highest fed slot's and below
 
@@ -108,9 +132,14 @@ class RaggedCache(Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(rows, length, config.num_hidden_layers, kv_heads, head_dim, dtype, device)
 
-    def feed(self, rows: torch.Tensor, slots: torch.Tensor, pack: torch.Tensor | None = None) -> None:
+    def feed(self, rows: torch.Tensor, slots: torch.Tensor, pack: torch.Tensor | None = None,
+             groups: tuple | None = None) -> None:
         """The next forward feeds cache rows `rows` (R,) at `slots` (R, q); -1 marks padding. `pack` (N,): the forward
-        is packed, its tokens those at these flat places of the (R, q) grid, in this order (`pack_args`)."""
+        is packed, its tokens those at these flat places of the (R, q) grid, in this order (`pack_args`). `groups`
+        (a packed forward of every row): attention group by group instead of over the padded grid, (step, [(first,
+        n, keys), ...]) in the pack's order (`_grouped_attention`)."""
+        if groups is not None and (pack is None or rows.numel() != self.num_rows):
+            raise ValueError("feed(groups=) needs pack= and every cache row fed (a group names cache rows)")
         if rows.ndim != 1 or slots.ndim != 2 or slots.shape[0] != rows.numel():
             raise ValueError(f"feed takes rows (R,) and slots (R, q), got {tuple(rows.shape)} and {tuple(slots.shape)}")
         top = int(slots.max()) if slots.numel() else -1  # the highest slot fed
@@ -122,7 +151,7 @@ class RaggedCache(Cache):
         self.flat = (rows[:, None] * (self.length + 1) + self.write_at).flatten()  # (R q,): rows x slots, every layer's
         if pack is not None:
             self.flat = self.flat[pack]
-        self.pack = None if pack is None else (pack, *slots.shape)
+        self.pack = None if pack is None else (pack, *slots.shape, groups)
         self.visible = top + 1 if top >= 0 else 1
 
     def mask(self, slots: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor | None = None) -> torch.Tensor:

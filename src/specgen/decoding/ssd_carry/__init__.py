@@ -32,7 +32,8 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
              rounds: int = 0, vertical: bool = True, draft_temperature: float | None = None,
              max_window_rows: int | None = None, max_lead: int | None = 2, second_row_wait: int | None = None,
              tails: list | tuple = (), acceptance=None, slots: int | None = None, batch_drafts: bool = True,
-             batch_judge: bool = True, packed: bool = True, drafting: type = Drafting, trace: Trace | None = None) -> tuple[torch.Tensor, dict]:
+             batch_judge: bool = True, packed: bool = True, per_image_attention: bool = False,
+             drafting: type = Drafting, trace: Trace | None = None) -> tuple[torch.Tensor, dict]:
     """SSD with carry: visual codes (B, H, W) and stats.
 
     rounds, max_window_rows, max_lead, second_row_wait: when an image drafts its next row (`window.Schedule`);
@@ -43,7 +44,9 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
     (False: one call per image; the same tokens up to the rounding of batched products); batch_judge: in a stream,
     the windows of its images are judged after a pass in one call (False: one after another; the same tokens);
     packed: in a stream, a forward feeds only its images' own tokens through the backbone's projections and MLPs
-    (False: every slot padded to the longest window; the same states up to rounding);
+    (False: every slot padded to the longest window; the same states up to rounding); per_image_attention (with
+    packed): attention image by image over its own queries and keys, not over the padded grid (the same states up
+    to rounding; a call per image and layer: for CPUs, where the padded grid's attention is a quarter of the time);
     drafting: the class that drafts rows (`ssd_drafting.Drafting`; analysis tools pass an oracle); trace: told of
     every target forward and drafter call.
     stats: "nfe" target passes (one forward of the batch counts once), "image_passes" (B,) the passes each image
@@ -64,7 +67,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
     if slots is not None:
         from specgen.decoding.ssd_carry.stream import generate_stream  # the stream builds on this module's parts
         return generate_stream(backbone, prompts, make, slots, cfg_scale, temperature, top_k, rngs, vertical, trace,
-                               batch_drafts, batch_judge, packed)
+                               batch_drafts, batch_judge, packed, per_image_attention)
     st = SpecState(backbone, prompts, cfg_scale, temperature, top_k, rngs, trace)
     st.target_pass(st.g.prefix_len)  # prefill: prompt slot and begin-of-image
     win = make(st)

@@ -92,13 +92,16 @@ def _assemble(feeding: list[int], inputs: list, S: int, reps: int, q: int):
     return tensor(at), tensor(where), tensor(positions), fed
 
 
-def _forward(backbone, cache, feeding: list[int], inputs: list, S: int, reps: int, packed: bool, trace) -> list:
+def _forward(backbone, cache, feeding: list[int], inputs: list, S: int, reps: int, packed: bool, trace,
+             per_image_attention: bool = False) -> list:
     """One target forward of the slots `feeding` through the ragged cache: each slot's states (reps, n, D). Packed:
     only the real tokens through the projections and MLPs (`forward_packed`); otherwise every row padded to the
-    longest window."""
+    longest window. per_image_attention (packed only): attention slot by slot over its own queries and keys."""
     q = max(emb.shape[1] for _, emb, _ in inputs)
     at, where, positions, fed = _assemble(feeding, inputs, S, reps, q)
-    cache.feed(torch.arange(S * reps, device=at.device), at, pack=where if packed else None)
+    groups = (S, [(s, emb.shape[1], start + emb.shape[1]) for s, (start, emb, _) in zip(feeding, inputs)]) \
+        if packed and per_image_attention else None
+    cache.feed(torch.arange(S * reps, device=at.device), at, pack=where if packed else None, groups=groups)
     grid = at.clamp_min(0)
     mask = cache.mask(at, fed.dtype, grid)
     with trace.region("target", positions=q, rows=S * reps, prefill=all(i[0] == 0 for i in inputs),
@@ -117,13 +120,15 @@ def _forward(backbone, cache, feeding: list[int], inputs: list, S: int, reps: in
 def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callable[[SpecState], CarryWindow],
                     slots: int, cfg_scale: float, temperature: float, top_k: int | None, rngs, vertical: bool = True,
                     trace: Trace | None = None, batch_drafts: bool = True, batch_judge: bool = True,
-                    packed: bool = True):
+                    packed: bool = True, per_image_attention: bool = False):
     """Codes (N, H, W) of the N prompts, at most `slots` in flight, and stats (see the module docstring). `window`
     makes each image's carry window from its state (a stream image has no batch to run ahead of: max_lead is not
     read). batch_drafts, batch_judge: the down rows drafted between two passes in one drafter call, the windows
     judged after a pass in one call (`window.judge_together`; the same tokens either way); packed: a forward feeds
     only the images' own tokens through the projections and MLPs, where the backbone can (`forward_packed`; the
-    same states up to the rounding of products of another number of rows)."""
+    same states up to the rounding of products of another number of rows); per_image_attention (with packed):
+    attention image by image over its own queries and keys instead of over the padded grid (the same states up to
+    rounding; a call per image and layer)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
@@ -161,7 +166,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
         if not feeding:
             break
         inputs = [running[s].st.pass_inputs(ends[s]) for s in feeding]
-        states = _forward(backbone, cache, feeding, inputs, S, reps, packed, trace)
+        states = _forward(backbone, cache, feeding, inputs, S, reps, packed, trace, per_image_attention)
         nfe += 1
         for s, (start, _, _), h in zip(feeding, inputs, states):
             running[s].st.pass_done(start, h)
