@@ -407,18 +407,24 @@ def test_carry_window_samples_the_models_distribution_on_a_3x3_grid():
     assert gof_pvalue(out, joint) > 1e-3
 
 
+def stream_world(left: bool, **options):
+    """The tiny world of the stream tests: (model, 6 prompts, the default carry's options for a stream of 4 slots),
+    after checking that such a stream with `options` decodes greedy output equal to AR's."""
+    m = tiny(True, grid=6)
+    p = m.prompts(MORE)
+    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
+    out, _ = decode(m, p, noisy_drafter(m, left), temperature=0, slots=4, **options)
+    assert torch.equal(out, ref)
+    return m, p, default_carry(slots=4)
+
+
 @pytest.mark.parametrize("left", [False, True])
 def test_a_stream_drafts_the_rows_due_between_passes_together_with_every_image_unchanged(left):
     """batch_drafts (the default): the down rows a stream's images draft between two passes go through one drafter
     call, not one per image. Every image keeps its tokens, passes and first-judgement acceptance (greedy and sampled,
     the default's tails included: Reweight reads the rows kept per image), and the drafter is called fewer times.
     Greedy output stays AR's."""
-    m = tiny(True, grid=6)
-    p = m.prompts(MORE)
-    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
-    out, _ = decode(m, p, noisy_drafter(m, left), temperature=0, slots=4)
-    assert torch.equal(out, ref)
-    kw = default_carry(slots=4)
+    m, p, kw = stream_world(left)
     together = decode(m, p, noisy_drafter(m, left), range(6), **kw)
     alone = decode(m, p, noisy_drafter(m, left), range(6), batch_drafts=False, **kw)
     assert torch.equal(together[0], alone[0])
@@ -484,12 +490,7 @@ def test_a_packed_stream_computes_only_its_images_tokens_and_decodes_as_padded()
     machines seen, every token)."""
     from specgen.analysis.ssd_costs import Clock
 
-    m = tiny(True, grid=6)
-    p = m.prompts(MORE)
-    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
-    greedy, _ = decode(m, p, noisy_drafter(m, True), temperature=0, slots=4)
-    assert torch.equal(greedy, ref)
-    kw = default_carry(slots=4)
+    m, p, kw = stream_world(True)
     clocks = {True: Clock(), False: Clock()}
     packed = decode(m, p, noisy_drafter(m, True), range(6), trace=clocks[True], **kw)
     padded = decode(m, p, noisy_drafter(m, True), range(6), packed=False, trace=clocks[False], **kw)
@@ -503,12 +504,7 @@ def test_per_image_attention_decodes_as_the_packed_stream():
     """per_image_attention (off by default): a packed stream's attention image by image over its own keys. Greedy
     output is AR's; sampled output the packed stream's up to the rounding of attention over fewer keys (on the
     machines seen, every token)."""
-    m = tiny(True, grid=6)
-    p = m.prompts(MORE)
-    ref, _ = ar.generate(m, p, cfg_scale=3.0, temperature=0)
-    greedy, _ = decode(m, p, noisy_drafter(m, True), temperature=0, slots=4, per_image_attention=True)
-    assert torch.equal(greedy, ref)
-    kw = default_carry(slots=4)
+    m, p, kw = stream_world(True, per_image_attention=True)
     grouped = decode(m, p, noisy_drafter(m, True), range(6), per_image_attention=True, **kw)
     packed = decode(m, p, noisy_drafter(m, True), range(6), **kw)
     assert (grouped[0] == packed[0]).float().mean() > 0.95
