@@ -45,8 +45,7 @@ def generate(backbone: DiscreteBackbone, prompts: Prompts, drafter: Drafter, cfg
     the windows of its images are judged after a pass in one call (False: one after another; the same tokens);
     packed: in a stream, a forward feeds only its images' own tokens through the backbone's projections and MLPs
     (False: every slot padded to the longest window; the same states up to rounding); per_image_attention (with
-    packed): attention image by image over its own queries and keys, not over the padded grid (the same states up
-    to rounding; a call per image and layer: for CPUs, where the padded grid's attention is a quarter of the time);
+    packed): attention image by image over its own queries and keys, not the padded grid (a call per image and layer);
     drafting: the class that drafts rows (`ssd_drafting.Drafting`; analysis tools pass an oracle); trace: told of
     every target forward and drafter call.
     stats: "nfe" target passes (one forward of the batch counts once), "image_passes" (B,) the passes each image

@@ -127,8 +127,7 @@ def generate_stream(backbone: DiscreteBackbone, prompts: Prompts, window: Callab
     judged after a pass in one call (`window.judge_together`; the same tokens either way); packed: a forward feeds
     only the images' own tokens through the projections and MLPs, where the backbone can (`forward_packed`; the
     same states up to the rounding of products of another number of rows); per_image_attention (with packed):
-    attention image by image over its own queries and keys instead of over the padded grid (the same states up to
-    rounding; a call per image and layer)."""
+    attention image by image over its own queries and keys, not the padded grid (the same states up to rounding)."""
     expect_int("slots", slots, 1)
     new_cache = getattr(backbone, "new_ragged_cache", None)
     if new_cache is None:
